@@ -1,0 +1,108 @@
+"""Change-tracking kernels: mark, hash and gather rows; hash dense chunks.
+
+Every function takes ``backend="auto" | "triton" | "torch"``. ``"torch"`` is the reference in
+:mod:`deltackpt.kernels.reference` (the CPU path and the test oracle); ``"triton"`` runs the
+kernels of :mod:`deltackpt.kernels.triton_kernels` on CUDA tensors; ``"auto"`` picks Triton for
+CUDA tensors when triton is importable and the reference otherwise. Both backends give the same
+bits for every supported dtype.
+
+Example:
+    >>> import torch
+    >>> from deltackpt import kernels
+    >>> kernels.hash_rows(torch.zeros(3, 4)).shape
+    torch.Size([3])
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+from . import reference
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+@functools.cache
+def _triton() -> ModuleType | None:
+    try:
+        from . import triton_kernels
+    except ImportError:
+        return None
+    return triton_kernels
+
+
+def _impl(t: torch.Tensor, backend: str) -> ModuleType:
+    if backend == "torch":
+        return reference if t.device.type == "cpu" else _OnHost
+    if backend == "triton":
+        mod = _triton()
+        if mod is None:
+            raise RuntimeError("backend='triton' needs the triton package, which is not importable")
+        return mod
+    if backend == "auto":
+        if t.device.type == "cuda" and _triton() is not None:
+            return _triton()
+        return reference if t.device.type == "cpu" else _OnHost
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+class _OnHost:
+    """The reference on a device tensor: computes on a host copy, returns on the device."""
+
+    @staticmethod
+    def hash_rows(t: torch.Tensor) -> torch.Tensor:
+        return reference.hash_rows(t.cpu()).to(t.device)
+
+    @staticmethod
+    def hash_chunks(t: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
+        return reference.hash_chunks(t.cpu(), chunk_bytes).to(t.device)
+
+    mark_rows = staticmethod(reference.mark_rows)
+    gather_rows = staticmethod(reference.gather_rows)
+
+
+def hash_rows(t: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """XXH64 (seed 0) of the bytes of every row ``t[i]``, as int64 bit patterns.
+
+    Args:
+        t: a tensor with at least one dimension; rows are along dimension 0.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    Returns:
+        An int64 tensor of ``t.shape[0]`` hashes on ``t``'s device.
+    """
+    if t.dim() == 0:
+        raise ValueError("hash_rows needs a tensor with at least one dimension, got a 0-d tensor")
+    return _impl(t, backend).hash_rows(t.contiguous())
+
+
+def hash_chunks(t: torch.Tensor, chunk_bytes: int, *, backend: str = "auto") -> torch.Tensor:
+    """XXH64 (seed 0) of every ``chunk_bytes`` piece of ``t``'s flat bytes; the last may be short.
+
+    Args:
+        t: any tensor; its bytes are taken in C order.
+        chunk_bytes: piece size, a positive multiple of ``t.element_size()``.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    Returns:
+        An int64 tensor of ``ceil(t.nbytes / chunk_bytes)`` hashes on ``t``'s device.
+    """
+    if chunk_bytes <= 0 or chunk_bytes % t.element_size():
+        raise ValueError(
+            f"chunk_bytes must be a positive multiple of the element size {t.element_size()}, "
+            f"got {chunk_bytes}"
+        )
+    return _impl(t, backend).hash_chunks(t.contiguous(), chunk_bytes)
+
+
+def mark_rows(mask: torch.Tensor, ids: torch.Tensor, *, backend: str = "auto") -> None:
+    """Sets ``mask[ids] = 1`` in place; ``mask`` is a 1-D bool or uint8 tensor, ``ids`` int64/int32."""
+    _impl(mask, backend).mark_rows(mask, ids)
+
+
+def gather_rows(t: torch.Tensor, ids: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """Returns ``t[ids]`` (rows along dimension 0) as a new contiguous tensor."""
+    return _impl(t, backend).gather_rows(t, ids)
