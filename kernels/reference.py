@@ -123,8 +123,9 @@ def hash_chunks(t: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
 
 
 def mark_rows(mask: torch.Tensor, ids: torch.Tensor) -> None:
-    """Sets ``mask[ids] = 1`` in place."""
-    mask.index_fill_(0, ids, 1)
+    """Sets ``mask[ids] = 1`` in place; ``ids`` may be int64 or int32."""
+    # index_fill_ takes int64 ids only; the int32 ones an embedding lookup may hand over widen here.
+    mask.index_fill_(0, ids.long(), 1)
 
 
 def gather_rows(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,59 @@
+"""deltackpt: incremental checkpointing for sparse PyTorch models.
+
+Saves bases and deltas (changed embedding rows, changed dense chunks) into a zarr v3 store and
+restores any committed step bit-exactly.
+
+Example:
+    >>> import tempfile, torch
+    >>> import deltackpt
+    >>> with deltackpt.Checkpointer(tempfile.mkdtemp(), base_every=5) as ckpt:
+    ...     emb = torch.zeros(1000, 16)
+    ...     _ = ckpt.save(0, {"emb": emb})
+    ...     emb[7] += 1
+    ...     ckpt.save(1, {"emb": emb}).kind
+    'delta'
+"""
+
+from __future__ import annotations
+
+from .checkpointer import Checkpointer, SaveInfo
+from .errors import (
+    BrokenChainError,
+    DeltackptError,
+    DtypeMismatchError,
+    IntegrityError,
+    KeyMismatchError,
+    ManifestError,
+    MissingChunkError,
+    ShapeMismatchError,
+    StateError,
+    StepExistsError,
+    StepNotFoundError,
+    StorageFullError,
+    StoreError,
+)
+from .policy import BasePolicy, Decision, EveryK
+from .storage import LocalStorage, Storage
+
+__all__ = [
+    "BasePolicy",
+    "BrokenChainError",
+    "Checkpointer",
+    "Decision",
+    "DeltackptError",
+    "DtypeMismatchError",
+    "EveryK",
+    "IntegrityError",
+    "KeyMismatchError",
+    "LocalStorage",
+    "ManifestError",
+    "MissingChunkError",
+    "SaveInfo",
+    "ShapeMismatchError",
+    "StateError",
+    "StepExistsError",
+    "StepNotFoundError",
+    "Storage",
+    "StorageFullError",
+    "StoreError",
+]

@@ -1,0 +1,97 @@
+"""The error tree: every error deltackpt raises derives from :class:`DeltackptError`.
+
+Where a standard exception fits too, the class also derives from it (``StepNotFoundError`` is a
+``LookupError``), so callers can catch either.
+"""
+
+from __future__ import annotations
+
+
+class DeltackptError(Exception):
+    """Base of every error raised by deltackpt."""
+
+
+class StoreError(DeltackptError, OSError):
+    """The store cannot be opened, read or written."""
+
+
+class StorageFullError(StoreError):
+    """The store ran out of space while writing."""
+
+
+class StepNotFoundError(DeltackptError, LookupError):
+    """The requested step is not committed."""
+
+    def __init__(self, step: int, committed: list[int]):
+        shown = ", ".join(map(str, committed[-20:])) or "none"
+        more = f" (last 20 of {len(committed)})" if len(committed) > 20 else ""
+        super().__init__(f"step {step} is not committed; committed steps{more}: {shown}")
+        self.step = step
+        self.committed = committed
+
+
+class StepExistsError(DeltackptError, ValueError):
+    """A save named a step that is already committed, or one not after the latest step."""
+
+
+class ManifestError(DeltackptError, ValueError):
+    """A commit record cannot be parsed or breaks the format."""
+
+
+class BrokenChainError(DeltackptError):
+    """A step's chain refers to a step whose commit record is missing or from another lineage."""
+
+    def __init__(self, step: int, missing_step: int, why: str):
+        super().__init__(f"chain of step {step} is broken at step {missing_step}: {why}")
+        self.step = step
+        self.missing_step = missing_step
+
+
+class IntegrityError(DeltackptError):
+    """A stored chunk does not match the size or checksum in its commit record."""
+
+    def __init__(self, step: int, key: str, why: str):
+        super().__init__(f"step {step}: chunk {key} is corrupt: {why}")
+        self.step = step
+        self.key = key
+
+
+class MissingChunkError(IntegrityError):
+    """A chunk listed in a commit record is absent from the store."""
+
+    def __init__(self, step: int, key: str):
+        DeltackptError.__init__(self, f"step {step}: chunk {key} is missing")
+        self.step = step
+        self.key = key
+
+
+class StateError(DeltackptError, ValueError):
+    """The state passed to save or restore is not supported."""
+
+
+class KeyMismatchError(StateError, KeyError):
+    """The keys of a restore target differ from those saved."""
+
+    def __init__(self, missing: list[str], unexpected: list[str]):
+        def show(keys: list[str]) -> str:
+            return ", ".join(keys[:10]) + (f" ... ({len(keys)} in all)" if len(keys) > 10 else "")
+
+        parts = []
+        if missing:
+            parts.append(f"missing from the target: {show(missing)}")
+        if unexpected:
+            parts.append(f"not in the checkpoint: {show(unexpected)}")
+        super().__init__("keys differ; " + "; ".join(parts))
+        self.missing = missing
+        self.unexpected = unexpected
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class DtypeMismatchError(StateError, TypeError):
+    """A restore target's dtype differs from the saved one."""
+
+
+class ShapeMismatchError(StateError):
+    """A restore target's shape differs from the saved one."""

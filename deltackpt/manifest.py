@@ -1,0 +1,203 @@
+"""The commit record (manifest) of a step: the JSON document whose presence makes a step exist.
+
+Format 1 is documented in ``docs/format.md``. Parsing is strict: a record that breaks the format
+raises :class:`ManifestError` naming the record and the field, never a deep traceback, and no
+size read from a record is trusted for an allocation before it is checked against the shape.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .errors import ManifestError
+
+FORMAT = 1
+KINDS = ("base", "delta")
+ENCODINGS = ("full", "rows", "chunks")
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """How one tensor is stored in one step.
+
+    Attributes:
+        dtype: torch dtype name (``"bfloat16"``).
+        shape: global shape.
+        encoding: ``"full"`` (the whole tensor, one zarr array chunked by rows), ``"rows"``
+            (arrays ``ids`` and ``rows``: sorted global row ids and those rows) or ``"chunks"``
+            (a flat zarr array of which only the changed chunks were written).
+        chunk_shape: the chunk shape of the stored array (of ``rows`` for ``"rows"``).
+        changed: rows written (``"full"``, ``"rows"``) or chunks written (``"chunks"``).
+        chunks: every chunk file written, by key relative to the tensor's folder, as
+            ``[size_in_bytes, xxh3_64_hex]``.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    encoding: str
+    chunk_shape: tuple[int, ...]
+    changed: int
+    chunks: dict[str, tuple[int, str]] = field(default_factory=dict)
+
+    @property
+    def nbytes_written(self) -> int:
+        return sum(size for size, _ in self.chunks.values())
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The commit record of one step.
+
+    Attributes:
+        step: the training step.
+        kind: ``"base"`` or ``"delta"``.
+        attempt: the folder under ``steps/`` holding this step's arrays (unique per save attempt).
+        parent: the step this delta applies to (None for a base).
+        parent_attempt: the parent's attempt, checked on replay so deltas of two lineages never mix.
+        base: the step of the base this step's chain starts from (itself for a base).
+        chain_length: deltas between the base and this step, this one included.
+        world_size: ranks that saved it.
+        created: wall-clock time of the commit (informational only; order comes from steps).
+        policy: the base-cadence policy's name, its decision and the reason.
+        tree: the JSON skeleton of the state (see :mod:`deltackpt.statetree`).
+        tensors: every tensor of the state by flat key.
+        bytes_written: bytes of all chunk files of this step.
+        state_bytes: bytes of every tensor of the state, what a full checkpoint writes.
+    """
+
+    step: int
+    kind: str
+    attempt: str
+    parent: int | None
+    parent_attempt: str | None
+    base: int
+    chain_length: int
+    world_size: int
+    created: float
+    policy: dict[str, Any]
+    tree: dict[str, Any]
+    tensors: dict[str, TensorRecord]
+    bytes_written: int
+    state_bytes: int
+    format: int = FORMAT
+
+    def to_json(self) -> bytes:
+        doc = asdict(self)
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> Manifest:
+        """Parses and validates a record; ``where`` names it in errors."""
+        try:
+            doc = json.loads(data, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as e:
+            raise ManifestError(f"{where}: not valid JSON ({e})") from None
+        return _parse(doc, where)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _field(doc: dict[str, Any], name: str, kinds: type | tuple[type, ...], where: str) -> Any:
+    if name not in doc:
+        raise ManifestError(f"{where}: field {name!r} is missing")
+    value = doc[name]
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in _tuple(kinds)):
+        raise ManifestError(f"{where}: field {name!r} has a bad value {value!r:.80}")
+    return value
+
+
+def _tuple(kinds: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kinds if isinstance(kinds, tuple) else (kinds,)
+
+
+def _count(doc: dict[str, Any], name: str, where: str, *, optional: bool = False) -> int | None:
+    if optional and doc.get(name) is None:
+        if name not in doc:
+            raise ManifestError(f"{where}: field {name!r} is missing")
+        return None
+    value = _field(doc, name, int, where)
+    if value < 0 or value >= 2**63:
+        raise ManifestError(f"{where}: field {name!r} is out of range: {value}")
+    return value
+
+
+def _parse(doc: Any, where: str) -> Manifest:
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{where}: a commit record must be a JSON object")
+    fmt = _field(doc, "format", int, where)
+    if fmt != FORMAT:
+        raise ManifestError(f"{where}: format {fmt} is not supported (this version reads {FORMAT})")
+    kind = _field(doc, "kind", str, where)
+    if kind not in KINDS:
+        raise ManifestError(f"{where}: field 'kind' must be one of {KINDS}, got {kind!r}")
+    tensors = {}
+    for key, rec in _field(doc, "tensors", dict, where).items():
+        tensors[key] = _parse_tensor(rec, f"{where}: tensor {key!r}")
+    created = _field(doc, "created", (int, float), where)
+    if not math.isfinite(created):
+        raise ManifestError(f"{where}: field 'created' has a bad value {created!r}")
+    m = Manifest(
+        step=_count(doc, "step", where),
+        kind=kind,
+        attempt=_field(doc, "attempt", str, where),
+        parent=_count(doc, "parent", where, optional=True),
+        parent_attempt=_field(doc, "parent_attempt", (str, type(None)), where),
+        base=_count(doc, "base", where),
+        chain_length=_count(doc, "chain_length", where),
+        world_size=_count(doc, "world_size", where),
+        created=float(created),
+        policy=_field(doc, "policy", dict, where),
+        tree=_field(doc, "tree", dict, where),
+        tensors=tensors,
+        bytes_written=_count(doc, "bytes_written", where),
+        state_bytes=_count(doc, "state_bytes", where),
+    )
+    if "/" in m.attempt or m.attempt in ("", ".", ".."):
+        raise ManifestError(f"{where}: field 'attempt' has a bad value {m.attempt!r}")
+    if (m.kind == "base") != (m.parent is None) or (m.kind == "base") != (m.base == m.step):
+        raise ManifestError(f"{where}: kind {m.kind!r} disagrees with parent {m.parent} / base {m.base}")
+    if m.parent is not None and not m.base <= m.parent < m.step:
+        raise ManifestError(f"{where}: parent {m.parent} must lie in [base {m.base}, step {m.step})")
+    return m
+
+
+def _parse_tensor(rec: Any, where: str) -> TensorRecord:
+    if not isinstance(rec, dict):
+        raise ManifestError(f"{where}: must be a JSON object")
+    shape = _field(rec, "shape", list, where)
+    chunk_shape = _field(rec, "chunk_shape", list, where)
+    for dims, name in ((shape, "shape"), (chunk_shape, "chunk_shape")):
+        if any(not isinstance(d, int) or isinstance(d, bool) or not 0 <= d < 2**62 for d in dims):
+            raise ManifestError(f"{where}: field {name!r} has a bad value {dims!r:.80}")
+    if math.prod(shape) >= 2**62:
+        raise ManifestError(f"{where}: shape {shape} is too large")
+    encoding = _field(rec, "encoding", str, where)
+    if encoding not in ENCODINGS:
+        raise ManifestError(f"{where}: field 'encoding' must be one of {ENCODINGS}, got {encoding!r}")
+    chunks = {}
+    for key, entry in _field(rec, "chunks", dict, where).items():
+        ok = (
+            isinstance(entry, list)
+            and len(entry) == 2
+            and isinstance(entry[0], int)
+            and not isinstance(entry[0], bool)
+            and 0 <= entry[0] < 2**62
+            and isinstance(entry[1], str)
+            and len(entry[1]) == 16
+        )
+        if not ok or ".." in key.split("/") or key.startswith("/"):
+            raise ManifestError(f"{where}: chunk {key!r} has a bad entry {entry!r:.80}")
+        chunks[key] = (entry[0], entry[1])
+    return TensorRecord(
+        dtype=_field(rec, "dtype", str, where),
+        shape=tuple(shape),
+        encoding=encoding,
+        chunk_shape=tuple(chunk_shape),
+        changed=_count(rec, "changed", where),
+        chunks=chunks,
+    )

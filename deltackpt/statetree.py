@@ -1,0 +1,126 @@
+"""Flattening a nested training state into named tensors plus a JSON skeleton, and back.
+
+The skeleton keeps everything that is not a tensor (step counters, learning rates, RNG seeds,
+optimizer hyper-parameters) as JSON, with just enough type information to rebuild the same
+nesting: dict keys keep their type (``int`` or ``str``), tuples stay tuples, non-finite floats are
+spelled out. Nothing is pickled, so loading never runs code from the store.
+
+Nodes: ``{"tensor": KEY}``, ``{"value": V}``, ``{"float": "nan" | "inf" | "-inf"}``,
+``{"dict": [[K, NODE], ...]}``, ``{"list": [NODE, ...]}``, ``{"tuple": [NODE, ...]}``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import StateError
+
+
+@dataclass(frozen=True)
+class FlatState:
+    """A state split into its tensors (by flat key) and the JSON skeleton that nests them."""
+
+    tensors: dict[str, torch.Tensor]
+    tree: dict[str, Any]
+
+
+def key_part(k: str | int) -> str:
+    """One path component of a flat key; ``/`` and ``%`` are escaped so keys split unambiguously."""
+    return str(k).replace("%", "%25").replace("/", "%2F")
+
+
+def is_stateful(obj: object) -> bool:
+    """Whether ``obj`` is saved through ``state_dict()`` (modules, optimizers, schedulers...)."""
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def flatten(state: Mapping[str, Any]) -> FlatState:
+    """Splits ``state`` into tensors and a skeleton.
+
+    Args:
+        state: a mapping of tensors, objects with ``state_dict()``, dicts, lists, tuples and
+            JSON scalars, nested.
+
+    Returns:
+        The flat state.
+
+    Raises:
+        StateError: a value that cannot be saved, or two paths that give one key.
+
+    Example:
+        >>> flat = flatten({"w": torch.zeros(2), "step": 3})
+        >>> sorted(flat.tensors), flat.tree["dict"][1]
+        (['w'], ['step', {'value': 3}])
+    """
+    if not isinstance(state, Mapping):
+        raise StateError(f"state must be a mapping, got {type(state).__name__}")
+    tensors: dict[str, torch.Tensor] = {}
+    tree = _node(state, "", tensors)
+    return FlatState(tensors, tree)
+
+
+def _node(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    if isinstance(obj, torch.Tensor):
+        if path in tensors:
+            raise StateError(f"two entries of the state map to the key {path!r}")
+        if obj.is_sparse or obj.layout != torch.strided:
+            raise StateError(f"{path}: only dense (strided) tensors are supported, got {obj.layout}")
+        tensors[path] = obj.detach()
+        return {"tensor": path}
+    if is_stateful(obj) and not isinstance(obj, Mapping):
+        return _node(obj.state_dict(), path, tensors)
+    if isinstance(obj, Mapping):
+        items = []
+        for k, v in obj.items():
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise StateError(f"{path or '<root>'}: keys must be str or int, got {k!r}")
+            items.append([k, _node(v, f"{path}/{key_part(k)}" if path else key_part(k), tensors)])
+        return {"dict": items}
+    if isinstance(obj, (list, tuple)):
+        kind = "tuple" if isinstance(obj, tuple) else "list"
+        return {kind: [_node(v, f"{path}/{i}", tensors) for i, v in enumerate(obj)]}
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return {"float": repr(obj)}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return {"value": obj}
+    raise StateError(
+        f"{path or '<root>'}: cannot save a {type(obj).__name__}; use tensors, objects with "
+        "state_dict(), dicts, lists, tuples, str, int, float, bool or None"
+    )
+
+
+def build(node: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Rebuilds the nested value of a skeleton node, taking tensors from ``tensors``."""
+    (kind, body), = node.items()
+    if kind == "tensor":
+        return tensors[body]
+    if kind == "value":
+        return body
+    if kind == "float":
+        return float(body)
+    if kind == "dict":
+        return {k: build(v, tensors) for k, v in body}
+    if kind == "list":
+        return [build(v, tensors) for v in body]
+    if kind == "tuple":
+        return tuple(build(v, tensors) for v in body)
+    raise ValueError(f"unknown skeleton node {kind!r}")
+
+
+def tensor_keys(node: Mapping[str, Any]) -> list[str]:
+    """The flat keys of every tensor under a skeleton node, in order."""
+    (kind, body), = node.items()
+    if kind == "tensor":
+        return [body]
+    if kind == "dict":
+        return [k for _, v in body for k in tensor_keys(v)]
+    if kind in ("list", "tuple"):
+        return [k for v in body for k in tensor_keys(v)]
+    return []

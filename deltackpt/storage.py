@@ -1,0 +1,188 @@
+"""Where the bytes go: the storage interface and the local file system implementation.
+
+Keys are ``/``-separated paths relative to the store's root. The commit primitive is
+:meth:`Storage.put_if_absent`: create a small object only if no object has that key, durably. On a
+file system it is a temp file, ``fsync``, ``link()`` (which fails if the name exists, unlike
+``rename``) and an ``fsync`` of the directory; object stores implement it as a conditional put.
+
+Every durable operation first calls :meth:`LocalStorage.persist_point` with its phase name, so
+tests can stop a process at each one (``write_chunk``, ``fsync``, ``write_manifest_tmp``,
+``rename_manifest``, ``fsync_dir``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from collections.abc import Iterable
+from typing import Protocol
+
+from .errors import StorageFullError, StoreError
+
+
+class Storage(Protocol):
+    """What a store needs from its backend. Every method may be called from several threads."""
+
+    url: str
+
+    def write(self, key: str, parts: Iterable[memoryview]) -> None:
+        """Creates object ``key`` from ``parts`` and makes it durable; ``key`` must not exist."""
+
+    def sync(self, keys: Iterable[str]) -> None:
+        """Makes the names of the objects ``keys`` durable (their directories, on a file system)."""
+
+    def read_into(self, key: str, out: memoryview) -> int:
+        """Reads object ``key`` into ``out``; returns the object's size, which may differ from
+        ``len(out)`` (then ``out`` holds only the first bytes)."""
+
+    def read(self, key: str) -> bytes:
+        """The whole object ``key``."""
+
+    def size(self, key: str) -> int | None:
+        """Size of object ``key``, or None if absent."""
+
+    def list(self, prefix: str) -> list[str]:
+        """Names directly under ``prefix`` (objects and folders), sorted."""
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Durably creates ``key`` with ``data`` unless it exists; returns whether it did."""
+
+    def delete(self, key: str) -> None:
+        """Removes object ``key`` if present."""
+
+
+class LocalStorage:
+    """A store in a local directory.
+
+    Args:
+        root: the directory; created if absent.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = os.path.abspath(os.fspath(root))
+        self.url = self.root
+
+    def persist_point(self, phase: str, key: str) -> None:
+        """Called before each durable step; a no-op that fault-injecting tests override."""
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *key.split("/"))
+
+    def write(self, key: str, parts: Iterable[memoryview]) -> None:
+        path = self._path(key)
+        self.persist_point("write_chunk", key)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                for part in parts:
+                    _write_all(fd, part)
+                self.persist_point("fsync", key)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise _store_error(e, path) from e
+
+    def sync(self, keys: Iterable[str]) -> None:
+        dirs = {os.path.dirname(self._path(k)) for k in keys}
+        # Parents first, up to the root: a new folder's own name must be durable too.
+        todo = set()
+        for d in dirs:
+            while len(d) >= len(self.root):
+                todo.add(d)
+                d = os.path.dirname(d)
+        for d in sorted(todo, key=len, reverse=True):
+            self.persist_point("fsync_dir", d)
+            _fsync_dir(d)
+
+    def read_into(self, key: str, out: memoryview) -> int:
+        path = self._path(key)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                done = 0
+                while done < min(size, len(out)):
+                    n = f.readinto(out[done:])
+                    if not n:
+                        break
+                    done += n
+                return size
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise _store_error(e, path) from e
+
+    def read(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise _store_error(e, path) from e
+
+    def size(self, key: str) -> int | None:
+        try:
+            return os.stat(self._path(key)).st_size
+        except FileNotFoundError:
+            return None
+
+    def list(self, prefix: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self._path(prefix) if prefix else self.root))
+        except FileNotFoundError:
+            return []
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+        folder = os.path.dirname(path)
+        tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+        try:
+            os.makedirs(folder, exist_ok=True)
+            self.persist_point("write_manifest_tmp", key)
+            with open(tmp, "xb") as f:
+                f.write(data)
+                f.flush()
+                self.persist_point("fsync", key)
+                os.fsync(f.fileno())
+            self.persist_point("rename_manifest", key)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
+            self.persist_point("fsync_dir", key)
+            _fsync_dir(folder)
+            return True
+        except OSError as e:
+            raise _store_error(e, path) from e
+
+    def delete(self, key: str) -> None:
+        try:
+            os.unlink(self._path(key))
+        except FileNotFoundError:
+            pass
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    data = data.cast("B")
+    while data:
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _store_error(e: OSError, path: str) -> StoreError:
+    cls = StorageFullError if e.errno in (errno.ENOSPC, errno.EDQUOT) else StoreError
+    return cls(e.errno, f"{os.strerror(e.errno) if e.errno else e}: {path}")

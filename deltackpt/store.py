@@ -1,0 +1,187 @@
+"""The store's layout: commit records, step folders, zarr v3 metadata.
+
+```
+ROOT/zarr.json                        zarr v3 group; attributes {"deltackpt": {"format": 1}}
+ROOT/commits/00000000000000000042.json   commit record of step 42 (its presence makes step 42 exist)
+ROOT/steps/zarr.json                  zarr v3 group
+ROOT/steps/ATTEMPT/...                arrays of one save attempt, ATTEMPT = "<step>-<random hex>"
+```
+A save writes its arrays into a fresh attempt folder, so a crashed save never touches a folder that
+a committed step refers to, and commits by creating its record only if absent. Readers list
+``commits/`` and ignore everything else (temp files start with a dot).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from typing import Any
+
+import torch
+
+from . import dtypes
+from .errors import BrokenChainError, ManifestError, StepNotFoundError, StoreError
+from .manifest import FORMAT, Manifest
+from .storage import LocalStorage, Storage
+
+COMMITS = "commits"
+STEPS = "steps"
+_COMMIT_NAME = re.compile(r"^(\d{20})\.json$")
+
+
+def commit_key(step: int) -> str:
+    return f"{COMMITS}/{step:020d}.json"
+
+
+def group_doc(attributes: dict[str, Any] | None = None) -> bytes:
+    return json.dumps(
+        {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
+    ).encode()
+
+
+def array_doc(shape: tuple[int, ...], chunk_shape: tuple[int, ...], dtype: torch.dtype) -> bytes:
+    """The zarr v3 metadata of an array holding ``dtype`` data, raw or blosc-lz4 coded."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    bytes_codec: dict[str, Any] = {"name": "bytes"}
+    if itemsize > 1:
+        bytes_codec["configuration"] = {"endian": "little"}
+    codecs = [bytes_codec]
+    if dtypes.compresses(dtype):
+        codecs.append(
+            {
+                "name": "blosc",
+                "configuration": {
+                    "cname": "lz4",
+                    "clevel": 5,
+                    "shuffle": "shuffle",
+                    "typesize": itemsize,
+                    "blocksize": 0,
+                },
+            }
+        )
+    fill: Any = 0
+    if dtype == torch.bool:
+        fill = False
+    elif dtype.is_complex:
+        fill = [0.0, 0.0]
+    elif dtype.is_floating_point and dtypes.zarr_data_type(dtype).startswith("float"):
+        fill = 0.0
+    doc = {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": list(shape),
+        "data_type": dtypes.zarr_data_type(dtype),
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk_shape)}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": fill,
+        "codecs": codecs,
+        "attributes": {"torch_dtype": dtypes.name(dtype)},
+    }
+    return json.dumps(doc).encode()
+
+
+def open_storage(path_or_storage: str | os.PathLike[str] | Storage) -> Storage:
+    """A :class:`Storage` for a local path (or a storage object, returned as it is)."""
+    if isinstance(path_or_storage, (str, os.PathLike)):
+        path = os.fspath(path_or_storage)
+        if "://" in path and not path.startswith("file://"):
+            raise StoreError(None, f"only local paths are supported so far, got {path!r}")
+        return LocalStorage(path.removeprefix("file://"))
+    return path_or_storage
+
+
+class Store:
+    """Committed steps and their records in one storage; records are cached (they are immutable).
+
+    Args:
+        storage: where the store lives.
+    """
+
+    def __init__(self, storage: Storage):
+        self.storage = storage
+        self._manifests: dict[int, Manifest] = {}
+
+    def exists(self) -> bool:
+        return self.storage.size("zarr.json") is not None
+
+    def create(self) -> None:
+        """Makes the root and ``steps/`` groups if absent (idempotent)."""
+        root = group_doc({"deltackpt": {"format": FORMAT}})
+        for key, doc in (("zarr.json", root), (f"{STEPS}/zarr.json", group_doc())):
+            if self.storage.size(key) is None:
+                self.storage.put_if_absent(key, doc)
+
+    def check_exists(self) -> None:
+        """Raises StoreError unless a deltackpt store is at this storage's root."""
+        if not self.exists():
+            raise StoreError(None, f"no deltackpt store at {self.storage.url}")
+        try:
+            doc = json.loads(self.storage.read("zarr.json"))
+            fmt = doc["attributes"]["deltackpt"]["format"]
+        except (ValueError, KeyError, TypeError):
+            raise StoreError(None, f"{self.storage.url}/zarr.json is not a deltackpt store root") from None
+        if fmt != FORMAT:
+            raise StoreError(None, f"store format {fmt!r} is not supported (this version reads {FORMAT})")
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        found = (_COMMIT_NAME.match(name) for name in self.storage.list(COMMITS))
+        return sorted(int(m.group(1)) for m in found if m)
+
+    def manifest(self, step: int) -> Manifest:
+        """The commit record of ``step``.
+
+        Raises:
+            StepNotFoundError: ``step`` is not committed.
+            ManifestError: its record is corrupt.
+        """
+        if step in self._manifests:
+            return self._manifests[step]
+        key = commit_key(step)
+        try:
+            data = self.storage.read(key)
+        except FileNotFoundError:
+            raise StepNotFoundError(step, self.steps()) from None
+        m = Manifest.from_json(data, key)
+        if m.step != step:
+            raise ManifestError(f"{key}: records step {m.step}, not {step}")
+        self._manifests[step] = m
+        return m
+
+    def chain(self, step: int) -> list[Manifest]:
+        """The records from the base of ``step``'s chain up to ``step``, in replay order.
+
+        Raises:
+            StepNotFoundError: ``step`` is not committed.
+            BrokenChainError: a parent is missing, corrupt or of another lineage.
+        """
+        chain = [self.manifest(step)]
+        while chain[-1].kind == "delta":
+            child = chain[-1]
+            try:
+                parent = self.manifest(child.parent)
+            except StepNotFoundError:
+                raise BrokenChainError(step, child.parent, "its commit record is missing") from None
+            except ManifestError as e:
+                raise BrokenChainError(step, child.parent, str(e)) from None
+            if parent.attempt != child.parent_attempt:
+                raise BrokenChainError(
+                    step, child.parent, f"step {child.step} was saved on another lineage"
+                )
+            if parent.base != child.base:
+                raise BrokenChainError(step, child.parent, "its base differs from the child's")
+            chain.append(parent)
+        chain.reverse()
+        return chain
+
+    def new_attempt(self, step: int) -> str:
+        return f"{step}-{uuid.uuid4().hex[:12]}"
+
+    def commit(self, manifest: Manifest) -> bool:
+        """Creates the step's record if absent; returns False if the step was committed already."""
+        done = self.storage.put_if_absent(commit_key(manifest.step), manifest.to_json())
+        if done:
+            self._manifests[manifest.step] = manifest
+        return done
