@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +22,7 @@ from .restoring import plan_restore
 from .staging import StagingPool
 from .storage import Storage
 from .store import STEPS, Store, open_storage
+from .verify import VerifyReport, verify
 from .writer import StepWriter
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class Checkpointer:
         dense_chunk_bytes: change-detection granularity of dense (0-d, 1-d) tensors.
         memory_budget: bytes of host staging memory a save or restore may add.
         io_threads: parallel reads and writes.
+        create: create the store if absent; if False, a missing store raises StoreError.
 
     Example:
         >>> import tempfile, torch
@@ -84,6 +86,7 @@ class Checkpointer:
         dense_chunk_bytes: int = 1 * MiB,
         memory_budget: int = 256 * MiB,
         io_threads: int = 4,
+        create: bool = True,
     ):
         for name, value in (("chunk_bytes", chunk_bytes), ("dense_chunk_bytes", dense_chunk_bytes),
                             ("io_threads", io_threads)):
@@ -95,7 +98,8 @@ class Checkpointer:
             )
         self.policy: BasePolicy = policy if policy is not None else EveryK(base_every)
         self.store = Store(open_storage(path))
-        self.store.create()
+        if create:
+            self.store.create()
         self.store.check_exists()
         self._chunk_bytes = chunk_bytes
         self._tracker = ChangeTracker(dense_chunk_bytes)
@@ -283,6 +287,18 @@ class Checkpointer:
         base_bytes = chain[0].bytes_written
         self._chain = ChainState(m.chain_length, sum(c.bytes_written for c in chain[1:]), base_bytes)
         return step
+
+    def verify(
+        self, step: int | None = None, progress: Callable[[int], None] = lambda n: None
+    ) -> VerifyReport:
+        """Re-reads every chunk of ``step``'s chain (default: of every committed step) and checks
+        sizes, checksums and parent links; returns what it found instead of raising."""
+        steps = self.steps()
+        if step is not None:
+            if step not in steps:
+                raise StepNotFoundError(step, steps)
+            steps = [step]
+        return verify(self.store, steps, self._pool, self._executor, progress)
 
     # -- lifetime -------------------------------------------------------------------------------
 

@@ -52,6 +52,21 @@ def fetch(storage: Storage, m: Manifest, key: str, name: str, into: torch.Tensor
         raise IntegrityError(m.step, path, "checksum mismatch")
 
 
+def stored_size(storage: Storage, m: Manifest, key: str, name: str) -> int:
+    """The recorded size of a chunk, once the file is known to have it (so no allocation is
+    driven by a number read from a damaged record)."""
+    path = chunk_path(m, key, name)
+    entry = m.tensors[key].chunks.get(name)
+    if entry is None:
+        raise MissingChunkError(m.step, path)
+    size = storage.size(path)
+    if size is None:
+        raise MissingChunkError(m.step, path)
+    if size != entry[0]:
+        raise IntegrityError(m.step, path, f"{size} bytes on disk, the record says {entry[0]}")
+    return size
+
+
 class ChainReader:
     """Replays tensors of one chain.
 
@@ -95,10 +110,7 @@ class ChainReader:
     def _staged(self, m: Manifest, key: str, name: str, decoded_bytes: int, use: Callable) -> None:
         """Reads a chunk through a staging buffer, decodes it if coded, and hands it to ``use``."""
         rec = m.tensors[key]
-        entry = rec.chunks.get(name)
-        if entry is None:
-            raise MissingChunkError(m.step, chunk_path(m, key, name))
-        buf = self._pool.acquire(entry[0])
+        buf = self._pool.acquire(stored_size(self._storage, m, key, name))
         try:
             fetch(self._storage, m, key, name, buf)
             codec = codec_for(torch.int64 if name.startswith("ids/") else dtypes.from_name(rec.dtype))

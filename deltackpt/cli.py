@@ -1,0 +1,208 @@
+"""The ``deltackpt`` command line: ls, show, restore, verify, demo.
+
+Every command takes ``--help``; commands that print data take ``--json``. Bad input prints one
+line naming the problem and exits with status 1 (2 for a bad command line), without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from .checkpointer import Checkpointer
+from .errors import DeltackptError, ManifestError
+from .store import Store, open_storage
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def progress_bar(total: int, desc: str):
+    """A byte-counting progress bar on a terminal; silent otherwise."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, leave=False,
+                disable=not sys.stderr.isatty())
+
+
+def _store(path: str) -> Store:
+    store = Store(open_storage(path))
+    store.check_exists()
+    return store
+
+
+def _print_json(doc: Any) -> None:
+    json.dump(doc, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    store = _store(args.path)
+    rows = []
+    for step in store.steps():
+        try:
+            m = store.manifest(step)
+        except ManifestError as e:
+            rows.append({"step": step, "kind": "corrupt", "error": str(e)})
+            continue
+        rows.append({
+            "step": step, "kind": m.kind, "parent": m.parent, "base": m.base,
+            "chain_length": m.chain_length, "bytes_written": m.bytes_written,
+            "state_bytes": m.state_bytes, "world_size": m.world_size, "created": m.created,
+        })
+    if args.json:
+        _print_json(rows)
+        return 0
+    if not rows:
+        print(f"no committed steps in {store.storage.url}")
+        return 0
+    print(f"{'step':>10} {'kind':<7} {'parent':>10} {'base':>10} {'written':>11} {'of state':>11} world")
+    for r in rows:
+        if r["kind"] == "corrupt":
+            print(f"{r['step']:>10} corrupt  {r['error']}")
+            continue
+        parent = "-" if r["parent"] is None else r["parent"]
+        print(f"{r['step']:>10} {r['kind']:<7} {parent:>10} {r['base']:>10} "
+              f"{fmt_bytes(r['bytes_written']):>11} {fmt_bytes(r['state_bytes']):>11} {r['world_size']:>5}")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    store = _store(args.path)
+    m = store.manifest(args.step)
+    chain = [c.step for c in store.chain(args.step)]
+    if args.json:
+        doc = json.loads(m.to_json())
+        doc["chain"] = chain
+        _print_json(doc)
+        return 0
+    print(f"step {m.step}: {m.kind}, chain {' -> '.join(map(str, chain))}, "
+          f"{fmt_bytes(m.bytes_written)} written of a {fmt_bytes(m.state_bytes)} state")
+    print(f"policy {m.policy.get('name')}: {m.policy.get('reason')}")
+    print(f"{'tensor':<40} {'dtype':<9} {'shape':<18} {'encoding':<8} {'changed':>9} {'bytes':>11}")
+    for key, rec in m.tensors.items():
+        print(f"{key:<40} {rec.dtype:<9} {str(list(rec.shape)):<18} {rec.encoding:<8} "
+              f"{rec.changed:>9} {fmt_bytes(rec.nbytes_written):>11}")
+        if args.chunks:
+            for name, (size, digest) in rec.chunks.items():
+                print(f"    {name:<36} {size:>12} xxh3:{digest}")
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    ckpt = Checkpointer(args.path, create=False)
+    try:
+        state = ckpt.load(args.step)
+    finally:
+        ckpt.close()
+    out = os.path.abspath(args.out)
+    tmp = f"{out}.{os.getpid()}.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, out)
+    if args.json:
+        _print_json({"step": args.step, "out": out})
+    else:
+        print(f"wrote step {args.step} to {out}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    ckpt = Checkpointer(args.path, create=False)
+    try:
+        steps = [args.step] if args.step is not None else ckpt.steps()
+        total = sum(_step_bytes(ckpt.store, s) for s in steps)
+        with progress_bar(total, "verify") as bar:
+            report = ckpt.verify(args.step, progress=bar.update)
+    finally:
+        ckpt.close()
+    if args.json:
+        _print_json({"ok": report.ok, "steps": report.steps, "chunks": report.chunks,
+                     "bytes": report.bytes, "problems": [asdict(p) for p in report.problems]})
+    else:
+        for p in report.problems:
+            print(f"step {p.step}: {p.kind}: {p.detail}")
+        verdict = "ok" if report.ok else f"{len(report.problems)} problem(s)"
+        print(f"verified {len(report.steps)} step(s), {report.chunks} chunks, "
+              f"{fmt_bytes(report.bytes)}: {verdict}")
+    return 0 if report.ok else 1
+
+
+def _step_bytes(store: Store, step: int) -> int:
+    try:
+        return sum(m.bytes_written for m in store.chain(step))
+    except DeltackptError:
+        return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="deltackpt",
+        description="Incremental checkpoints of sparse PyTorch models in a zarr v3 store.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("ls", help="list committed steps")
+    p.add_argument("path", help="store directory")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("show", help="one step's tensors, chain and checksums")
+    p.add_argument("path", help="store directory")
+    p.add_argument("step", type=int, help="the step")
+    p.add_argument("--chunks", action="store_true", help="list every chunk with size and checksum")
+    p.add_argument("--json", action="store_true", help="print the whole commit record as JSON")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("restore", help="write a step as a state-dict file (torch.load-able)")
+    p.add_argument("path", help="store directory")
+    p.add_argument("--step", type=int, required=True, help="the step to restore")
+    p.add_argument("--out", required=True, help="output file (read with torch.load(weights_only=True))")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_restore)
+
+    p = sub.add_parser("verify", help="check chains, sizes and checksums of every chunk")
+    p.add_argument("path", help="store directory")
+    p.add_argument("--step", type=int, default=None, help="only this step's chain (default: all)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("demo", help="train on a synthetic sparse workload with checkpoints")
+    from .demo import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (DeltackptError, OSError) as e:
+        print(f"deltackpt: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("deltackpt: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
