@@ -2,7 +2,8 @@
 
 The token stream drives embedding and LM-head rows the way text does (a few tokens take most
 positions). The routing trace says which experts each token reaches, so a benchmark can skip the
-experts that no token reached since the last checkpoint: their weights did not change.
+experts that no token reached since the last checkpoint: with an optimizer that skips parameters
+without a gradient, their weights did not change.
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ class TokenStreamConfig:
             is_int(self.batch_size) and self.batch_size >= 1,
             "batch_size", self.batch_size, "an integer >= 1",
         )  # fmt: skip
-        require(is_int(self.seq_len) and self.seq_len >= 1, "seq_len", self.seq_len, "an integer >= 1")
+        require(
+            is_int(self.seq_len) and self.seq_len >= 1, "seq_len", self.seq_len, "an integer >= 1"
+        )
         require(
             is_real(self.zipf_exponent) and self.zipf_exponent >= 0,
             "zipf_exponent", self.zipf_exponent, "a finite number >= 0",
@@ -228,7 +231,7 @@ class MoERoutingTrace:
         c = self.config
         setup = np.random.default_rng([c.seed, 0])
         rng = np.random.default_rng([c.seed, 1])
-        ranks = np.argsort(setup.random((c.num_layers, c.num_experts)), axis=1)
+        ranks = setup.permuted(np.tile(np.arange(c.num_experts), (c.num_layers, 1)), axis=1)
         base = -c.popularity_exponent * np.log1p(ranks)
         deviation = np.zeros_like(base)
         keep = 0.5 ** (1.0 / c.drift_halflife)
@@ -240,7 +243,8 @@ class MoERoutingTrace:
                 cold = np.zeros(base.shape, dtype=bool)
                 coldest = np.argsort(log_popularity, axis=1, kind="stable")[:, : c.cold_experts]
                 cold[layer, coldest] = True
-            weight = np.where(cold, 0.0, np.exp(log_popularity - log_popularity.max(axis=1, keepdims=True)))
+            relative = log_popularity - log_popularity.max(axis=1, keepdims=True)
+            weight = np.where(cold, 0.0, np.exp(relative))
             yield self._route(rng, weight, step)
             deviation = keep * deviation + c.drift * rng.standard_normal(base.shape)
             step += 1

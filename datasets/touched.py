@@ -110,4 +110,5 @@ def expected_touched_fraction(config: CriteoConfig, interval: int) -> TouchedFra
     ]
     sizes = np.asarray(config.table_sizes, dtype=np.float64)
     touched = sizes - np.asarray(untouched)
-    return TouchedFraction(interval, tuple((touched / sizes).tolist()), float(touched.sum() / sizes.sum()))
+    per_table = tuple((touched / sizes).tolist())
+    return TouchedFraction(interval, per_table, float(touched.sum() / sizes.sum()))
