@@ -31,14 +31,20 @@ def _parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size-mib", type=int, default=512, help="hashed/copied buffer size (MiB)")
     p.add_argument("--row-bytes", type=int, default=512, help="row size for hash_rows (bytes)")
-    p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="chunk size for hash_chunks (bytes)")
+    p.add_argument(
+        "--chunk-bytes", type=int, default=1 << 20, help="chunk size for hash_chunks (bytes)"
+    )
     p.add_argument("--repeats", type=int, default=7, help="timed rounds; medians are reported")
     p.add_argument("--mask-rows", type=int, default=10_000_000, help="mask length for mark_rows")
     p.add_argument("--mark-ids", type=int, default=1_000_000, help="ids marked per mark_rows call")
     p.add_argument("--collision-rows", type=int, default=10_000_000, help="random rows hashed")
     p.add_argument("--collision-cols", type=int, default=16, help="fp32 values per random row")
-    p.add_argument("--piece-rows", type=int, default=1_000_000,
-                   help="rows generated and hashed at a time, to bound memory")
+    p.add_argument(
+        "--piece-rows",
+        type=int,
+        default=1_000_000,
+        help="rows generated and hashed at a time, to bound memory",
+    )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -81,18 +87,25 @@ def _throughput(args: argparse.Namespace) -> list[tuple[str, str, str]]:
         "xxhash.xxh3_64, 1 thread": lambda: xxhash.xxh3_64_intdigest(src),
     }
     for n in sorted({1, all_threads}):
-        cases[f"hash_rows {args.row_bytes} B rows, {n} thread(s)"] = _with_threads(
-            n, lambda: reference.hash_rows(rows))
-        cases[f"hash_chunks {args.chunk_bytes} B chunks, {n} thread(s)"] = _with_threads(
-            n, lambda: reference.hash_chunks(flat, args.chunk_bytes))
+        threads = "1 thread" if n == 1 else f"{n} threads"
+        cases[f"hash_rows {args.row_bytes} B rows, {threads}"] = _with_threads(
+            n, lambda: reference.hash_rows(rows)
+        )
+        cases[f"hash_chunks {args.chunk_bytes} B chunks, {threads}"] = _with_threads(
+            n, lambda: reference.hash_chunks(flat, args.chunk_bytes)
+        )
     medians = _medians(cases, args.repeats)
     numba.set_num_threads(all_threads)
-    return [(name, f"{s * 1e3:.1f} ms", f"{nbytes / s / 1e9:.2f} GB/s") for name, s in medians.items()]
+    return [
+        (name, f"{s * 1e3:.1f} ms", f"{nbytes / s / 1e9:.2f} GB/s") for name, s in medians.items()
+    ]
 
 
 def _mark_rate(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     mask = torch.zeros(args.mask_rows, dtype=torch.bool)
-    ids = torch.randint(0, args.mask_rows, (args.mark_ids,), generator=torch.Generator().manual_seed(args.seed))
+    ids = torch.randint(
+        0, args.mask_rows, (args.mark_ids,), generator=torch.Generator().manual_seed(args.seed)
+    )
     s = _medians({"mark": lambda: reference.mark_rows(mask, ids)}, args.repeats)["mark"]
     name = f"mark_rows (index_fill_), {args.mark_ids} ids into {args.mask_rows} rows"
     return [(name, f"{s * 1e3:.2f} ms", f"{args.mark_ids / s / 1e6:.1f} M ids/s")]
@@ -112,18 +125,26 @@ def _collisions(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     # Birthday bound: n(n-1)/2 pairs, each equal with probability 2^-64.
     expected = args.collision_rows * (args.collision_rows - 1) / 2 / 2.0**64
     name = f"collisions: {args.collision_rows} random rows of {args.collision_cols} fp32"
-    return [(name, f"{elapsed:.1f} s incl. generation", f"{repeats} repeated hashes (expected {expected:.1e})")]
+    return [
+        (
+            name,
+            f"{elapsed:.1f} s incl. generation",
+            f"{repeats} repeated hashes (expected {expected:.1e})",
+        )
+    ]
 
 
 def main() -> None:
     args = _parse_args()
-    print(f"{os.cpu_count()} CPUs, numba threads {numba.config.NUMBA_NUM_THREADS}, "
-          f"torch {torch.__version__}, xxhash {xxhash.VERSION}, {args.repeats} timed rounds")
+    print(
+        f"{os.cpu_count()} CPUs, numba threads {numba.config.NUMBA_NUM_THREADS}, "
+        f"torch {torch.__version__}, xxhash {xxhash.VERSION}, {args.repeats} timed rounds"
+    )
     table = _throughput(args) + _mark_rate(args) + _collisions(args)
     widths = [max(len(row[i]) for row in table) for i in range(3)]
     print()
     for row in table:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
 if __name__ == "__main__":

@@ -19,11 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-_P1: tl.constexpr = tl.constexpr(0x9E3779B185EBCA87)
-_P2: tl.constexpr = tl.constexpr(0xC2B2AE3D27D4EB4F)
-_P3: tl.constexpr = tl.constexpr(0x165667B19E3779F9)
-_P4: tl.constexpr = tl.constexpr(0x85EBCA77C2B2AE63)
-_P5: tl.constexpr = tl.constexpr(0x27D4EB2F165667C5)
+_P1 = tl.constexpr(0x9E3779B185EBCA87)
+_P2 = tl.constexpr(0xC2B2AE3D27D4EB4F)
+_P3 = tl.constexpr(0x165667B19E3779F9)
+_P4 = tl.constexpr(0x85EBCA77C2B2AE63)
+_P5 = tl.constexpr(0x27D4EB2F165667C5)
 
 # XXH64 of zero bytes (seed 0) as an int64 bit pattern: rows of zero bytes skip the kernel,
 # because an empty tensor may have no storage to point at.
@@ -58,7 +58,7 @@ def _load_le(src, p, live, N: tl.constexpr):
 
 @triton.jit
 def _xxh64_kernel(src, out, start, piece, n_pieces, BLOCK: tl.constexpr):
-    """XXH64 of ``n_pieces`` consecutive pieces of ``piece`` bytes from byte ``start`` of ``src``."""
+    """XXH64 of ``n_pieces`` consecutive ``piece``-byte pieces from byte ``start`` of ``src``."""
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = idx < n_pieces
     p = start + idx * piece
@@ -114,8 +114,9 @@ def _mark_kernel(mask, stride, ids, n_ids, n_rows, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _gather_kernel(src, ids, out, n_ids, n_rows, row_words, BLOCK_R: tl.constexpr,
-                   BLOCK_C: tl.constexpr):
+def _gather_kernel(
+    src, ids, out, n_ids, n_rows, row_words, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+):
     i = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = i < n_ids
     r = tl.load(ids + i, mask=live, other=0).to(tl.int64)
@@ -128,9 +129,10 @@ def _gather_kernel(src, ids, out, n_ids, n_rows, row_words, BLOCK_R: tl.constexp
         tl.store(out + i[:, None] * row_words + c[None, :], v, mask=live[:, None] & in_row)
 
 
+# True when triton was imported with TRITON_INTERPRET=1: the kernels then run on CPU tensors.
+INTERPRETED = not isinstance(_xxh64_kernel, triton.runtime.JITFunction)
 # The interpreter runs programs one after another at a fixed cost each, so it gets a few wide
 # ones; on a GPU one thread per piece (4 warps of 32).
-INTERPRETED = not isinstance(_xxh64_kernel, triton.runtime.JITFunction)
 _PIECES_PER_PROGRAM = 1024 if INTERPRETED else 128
 _IDS_PER_PROGRAM = 4096 if INTERPRETED else 1024
 _GATHER_TILE = 1 << 16 if INTERPRETED else 4096  # ids x words moved per loop step
@@ -208,8 +210,14 @@ def mark_rows(mask: torch.Tensor, ids: torch.Tensor) -> None:
     ids = ids.reshape(-1).contiguous()
     if ids.numel():
         grid = (triton.cdiv(ids.numel(), _IDS_PER_PROGRAM),)
-        _mark_kernel[grid](mask.view(torch.uint8), mask.stride(0), ids, ids.numel(), mask.shape[0],
-                           BLOCK=_IDS_PER_PROGRAM)
+        _mark_kernel[grid](
+            mask.view(torch.uint8),
+            mask.stride(0),
+            ids,
+            ids.numel(),
+            mask.shape[0],
+            BLOCK=_IDS_PER_PROGRAM,
+        )
 
 
 def _word_dtype(row_bytes: int, *ptrs: int) -> torch.dtype:
@@ -249,6 +257,7 @@ def gather_rows(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     block_c = min(triton.next_power_of_2(row_words), _GATHER_TILE)
     block_r = _GATHER_TILE // block_c
     grid = (triton.cdiv(ids.numel(), block_r),)
-    _gather_kernel[grid](src, ids, dst, ids.numel(), t.shape[0], row_words,
-                         BLOCK_R=block_r, BLOCK_C=block_c)
+    _gather_kernel[grid](
+        src, ids, dst, ids.numel(), t.shape[0], row_words, BLOCK_R=block_r, BLOCK_C=block_c
+    )
     return out

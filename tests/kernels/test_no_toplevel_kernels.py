@@ -1,4 +1,4 @@
-"""The kernels ship as ``deltackpt.kernels`` only; the install must not expose a top-level ``kernels``."""
+"""The kernels ship as ``deltackpt.kernels`` only: no top-level ``kernels`` is installed."""
 
 from __future__ import annotations
 

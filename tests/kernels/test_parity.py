@@ -43,7 +43,9 @@ def _random(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.
     # Random bit patterns rather than random values, so NaN payloads and subnormals are covered:
     # the hash is of bytes, not numbers.
     g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (math.prod(shape) * dtype.itemsize,), dtype=torch.uint8, generator=g)
+    raw = torch.randint(
+        0, 256, (math.prod(shape) * dtype.itemsize,), dtype=torch.uint8, generator=g
+    )
     return raw.view(dtype).reshape(shape)
 
 
@@ -60,13 +62,16 @@ def _xxh64(data: bytes) -> int:
 def _oracle_rows(t: torch.Tensor) -> torch.Tensor:
     raw = _raw(t)
     n = len(raw) // t.shape[0] if t.shape[0] else 0
-    return torch.tensor([_xxh64(raw[i * n : (i + 1) * n]) for i in range(t.shape[0])], dtype=torch.int64)
+    return torch.tensor(
+        [_xxh64(raw[i * n : (i + 1) * n]) for i in range(t.shape[0])], dtype=torch.int64
+    )
 
 
 def _oracle_chunks(t: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
     raw = _raw(t)
     return torch.tensor(
-        [_xxh64(raw[i : i + chunk_bytes]) for i in range(0, len(raw), chunk_bytes)], dtype=torch.int64
+        [_xxh64(raw[i : i + chunk_bytes]) for i in range(0, len(raw), chunk_bytes)],
+        dtype=torch.int64,
     )
 
 
@@ -94,7 +99,11 @@ def test_reference_chunks_match_xxhash(nbytes, chunk_bytes):
 @settings(max_examples=200, deadline=None)
 @given(data=st.binary(max_size=300), chunk_bytes=st.integers(1, 80))
 def test_reference_matches_xxhash_on_any_bytes(data, chunk_bytes):
-    t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    t = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data
+        else torch.empty(0, dtype=torch.uint8)
+    )
     assert torch.equal(reference.hash_chunks(t, chunk_bytes), _oracle_chunks(t, chunk_bytes))
     assert reference.hash_rows(t[None]).item() == _xxh64(data)
 
@@ -119,7 +128,12 @@ def test_triton_rows(tk, dtype, shape):
 
 @pytest.mark.parametrize(
     "shape, dtype",
-    [((7,), torch.int64), ((5,), torch.uint8), ((4, 3, 5), torch.float16), ((3, 2, 11), torch.bfloat16)],
+    [
+        ((7,), torch.int64),
+        ((5,), torch.uint8),
+        ((4, 3, 5), torch.float16),
+        ((3, 2, 11), torch.bfloat16),
+    ],
     ids=str,
 )
 def test_triton_rows_of_other_ranks(tk, shape, dtype):
@@ -246,7 +260,9 @@ def test_triton_backend_through_the_api_on_a_strided_tensor(tk):
     [
         lambda t: kernels.hash_rows(t, backend="cuda"),
         lambda t: kernels.hash_chunks(t, 4, backend=""),
-        lambda t: kernels.mark_rows(torch.zeros(2, dtype=torch.bool), torch.tensor([0]), backend="Torch"),
+        lambda t: kernels.mark_rows(
+            torch.zeros(2, dtype=torch.bool), torch.tensor([0]), backend="Torch"
+        ),
         lambda t: kernels.gather_rows(t, torch.tensor([0]), backend=None),
     ],
 )
