@@ -46,7 +46,9 @@ class ChangeTracker:
         self._hashes: dict[str, tuple[torch.dtype, tuple[int, ...], torch.Tensor]] = {}
 
     def chunk_elems(self, t: torch.Tensor) -> int:
-        return max(1, self.dense_chunk_bytes // t.element_size())
+        """Elements per dense chunk of ``t``: one chunk for a tensor smaller than a chunk, so a
+        small tensor's delta is not padded to the full chunk size."""
+        return max(1, min(t.numel(), self.dense_chunk_bytes // t.element_size()))
 
     def hash(self, t: torch.Tensor) -> torch.Tensor:
         if is_row_sparse(t):

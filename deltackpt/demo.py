@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -57,7 +58,8 @@ def run_demo(args: argparse.Namespace) -> int:
               for i in range(args.tables)}
     accum = {k: torch.zeros(args.rows) for k in tables}
     state = {"tables": tables, "adagrad": accum, "step": 0}
-    path = os.path.join(args.path, time.strftime("run-%Y%m%d-%H%M%S") + f"-{os.getpid()}")
+    os.makedirs(args.path, exist_ok=True)
+    path = tempfile.mkdtemp(prefix=time.strftime("run-%Y%m%d-%H%M%S-"), dir=args.path)
     say = (lambda doc: print(json.dumps(doc))) if args.json else None
     touched = max(1, int(args.rows * args.touch))
     checkpoints = [s for s in range(args.every, args.steps + 1, args.every)]

@@ -1,0 +1,54 @@
+"""Fault injection for the crash tests: a storage that dies at a chosen persist point.
+
+Kept apart from the test modules so a forkserver child imports only this, torch and deltackpt.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from deltackpt import Checkpointer, LocalStorage
+
+ROWS = 64
+
+
+class CrashingStorage(LocalStorage):
+    """Exits the process, as a kill would, at the ``crash_at``-th persist point (never if 0),
+    and records the phase of every persist point it passes."""
+
+    def __init__(self, root, crash_at: int = 0):
+        super().__init__(root)
+        self.crash_at = crash_at
+        self.phases: list[str] = []
+
+    def persist_point(self, phase: str, key: str) -> None:
+        self.phases.append(phase)
+        if len(self.phases) == self.crash_at:
+            os._exit(137)
+
+
+def state_at(step: int) -> dict:
+    """The training state at ``step``: a table and a dense vector changed a little each step."""
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(ROWS, 8, generator=gen)
+    dense = torch.randn(100, generator=gen)
+    for s in range(1, step + 1):
+        table[s % ROWS] += s
+        dense[s] = s
+    return {"table": table, "dense": dense, "step": step}
+
+
+def save(storage: LocalStorage, step: int) -> None:
+    """Restores the latest step (so the save can be a delta), then saves ``step``."""
+    ckpt = Checkpointer(storage, chunk_bytes=1024, memory_budget=4096)
+    latest = ckpt.latest_step()
+    if latest is not None:
+        ckpt.restore(state_at(latest), latest)
+    ckpt.save(step, state_at(step))
+    ckpt.close()
+
+
+def save_with_crash(path: str, crash_at: int, step: int) -> None:
+    save(CrashingStorage(path, crash_at), step)

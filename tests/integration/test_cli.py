@@ -1,0 +1,120 @@
+"""The command line: every command, --json, --help and one-line errors without a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deltackpt import Checkpointer
+from deltackpt.cli import main
+from deltackpt.store import commit_key
+from helpers import assert_same_state
+
+
+@pytest.fixture
+def store(store_path):
+    table = torch.arange(400, dtype=torch.float32).reshape(100, 4)
+    with Checkpointer(store_path) as ckpt:
+        ckpt.save(10, {"model": {"table": table}, "step": 10})
+        table[7] = -1
+        ckpt.save(20, {"model": {"table": table}, "step": 20})
+    return str(store_path)
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_ls(store, capsys):
+    code, out, _ = run(capsys, "ls", store)
+    assert code == 0 and "base" in out and "delta" in out
+    code, out, _ = run(capsys, "ls", store, "--json")
+    rows = json.loads(out)
+    assert [(r["step"], r["kind"], r["parent"]) for r in rows] == [(10, "base", None), (20, "delta", 10)]
+
+
+def test_show(store, capsys):
+    code, out, _ = run(capsys, "show", store, "20", "--chunks")
+    assert code == 0 and "10 -> 20" in out and "model/table" in out and "xxh3:" in out
+    code, out, _ = run(capsys, "show", store, "20", "--json")
+    doc = json.loads(out)
+    assert doc["chain"] == [10, 20] and doc["tensors"]["model/table"]["changed"] == 1
+
+
+def test_restore_writes_a_weights_only_file(store, tmp_path, capsys):
+    out_file = tmp_path / "s20.pt"
+    code, out, _ = run(capsys, "restore", store, "--step", "20", "--out", str(out_file))
+    assert code == 0 and str(out_file) in out
+    got = torch.load(out_file, weights_only=True)
+    with Checkpointer(store, create=False) as ckpt:
+        assert_same_state(got, ckpt.load(20))
+    assert got["model"]["table"][7].eq(-1).all()
+
+
+def test_verify_ok_and_json(store, capsys):
+    code, out, _ = run(capsys, "verify", store)
+    assert code == 0 and "ok" in out
+    code, out, _ = run(capsys, "verify", store, "--step", "20", "--json")
+    doc = json.loads(out)
+    assert doc["ok"] and doc["steps"] == [20]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["ls", "{missing}"], "no deltackpt store"),
+        (["show", "{store}", "15"], "step 15 is not committed; committed steps: 10, 20"),
+        (["restore", "{store}", "--step", "99", "--out", "{tmp}/x.pt"], "step 99 is not committed"),
+        (["verify", "{store}", "--step", "5"], "step 5 is not committed"),
+        (["show", "{store}", "20"], "not valid JSON"),
+    ],
+)
+def test_bad_input_is_one_line(store, tmp_path, capsys, argv, message):
+    if message == "not valid JSON":
+        with open(os.path.join(store, *commit_key(10).split("/")), "w") as f:
+            f.write("{not json")
+    argv = [a.format(store=store, missing=tmp_path / "nope", tmp=tmp_path) for a in argv]
+    code, out, err = run(capsys, *argv)
+    assert code == 1
+    assert err.count("\n") == 1 and err.startswith("deltackpt: error: ") and message in err
+
+
+def test_corrupt_record_is_listed_as_corrupt(store, capsys):
+    with open(os.path.join(store, *commit_key(20).split("/")), "w") as f:
+        f.write('{"format": 1}')
+    code, out, _ = run(capsys, "ls", store)
+    assert code == 0 and "corrupt" in out and "'kind' is missing" in out
+
+
+def test_verify_failure_exits_nonzero(store, capsys):
+    with Checkpointer(store, create=False) as ckpt:
+        m = ckpt.store.manifest(10)
+    os.remove(os.path.join(store, "steps", m.attempt, "model", "table", "c", "0", "0"))
+    code, out, _ = run(capsys, "verify", store)
+    assert code == 1 and "missing" in out
+
+
+def test_python_m_and_help():
+    for argv in (["--help"], ["ls", "--help"], ["show", "--help"], ["restore", "--help"],
+                 ["verify", "--help"], ["demo", "--help"]):
+        r = subprocess.run([sys.executable, "-m", "deltackpt", *argv], capture_output=True, text=True)
+        assert r.returncode == 0 and "usage: deltackpt" in r.stdout, argv
+    r = subprocess.run([sys.executable, "-m", "deltackpt", "ls"], capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_demo_small(tmp_path, capsys):
+    code, out, _ = run(capsys, "demo", "--path", str(tmp_path), "--tables", "2", "--rows", "3000",
+                       "--dim", "8", "--steps", "12", "--every", "3", "--base-every", "3")
+    assert code == 0 and "bit-exact" in out and "delta" in out
+    code, out, _ = run(capsys, "demo", "--path", str(tmp_path), "--rows", "500", "--steps", "4",
+                       "--every", "2", "--json")
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert lines[-1]["bit_exact"] is True and [r["kind"] for r in lines[:-1]] == ["base", "delta"]
