@@ -33,6 +33,7 @@ _AS_BITS = {torch.bfloat16: "uint16"} | {
     if hasattr(torch, name)
 }
 _BY_NAME = {str(dt).removeprefix("torch."): dt for dt in (*_NATIVE, *_AS_BITS)}
+NAMES = frozenset(_BY_NAME)
 
 
 def name(dtype: torch.dtype) -> str:

@@ -12,6 +12,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from . import dtypes
 from .errors import ManifestError
 
 FORMAT = 1
@@ -157,6 +158,7 @@ def _parse(doc: Any, where: str) -> Manifest:
         bytes_written=_count(doc, "bytes_written", where),
         state_bytes=_count(doc, "state_bytes", where),
     )
+    _check_tree(m.tree, m.tensors, f"{where}: field 'tree'", 0)
     if "/" in m.attempt or m.attempt in ("", ".", ".."):
         raise ManifestError(f"{where}: field 'attempt' has a bad value {m.attempt!r}")
     if (m.kind == "base") != (m.parent is None) or (m.kind == "base") != (m.base == m.step):
@@ -164,6 +166,40 @@ def _parse(doc: Any, where: str) -> Manifest:
     if m.parent is not None and not m.base <= m.parent < m.step:
         raise ManifestError(f"{where}: parent {m.parent} must lie in [base {m.base}, step {m.step})")
     return m
+
+
+def _check_tree(node: Any, tensors: dict[str, TensorRecord], where: str, depth: int) -> None:
+    """Checks a state skeleton (see deltackpt.statetree): well-formed nodes, known tensors."""
+    if depth > 100:
+        raise ManifestError(f"{where}: nested too deeply")
+    if not isinstance(node, dict) or len(node) != 1:
+        raise ManifestError(f"{where}: a node must be an object with one field, got {node!r:.80}")
+    (kind, body), = node.items()
+    if kind == "tensor":
+        if body not in tensors:
+            raise ManifestError(f"{where}: tensor {body!r:.80} is not in 'tensors'")
+    elif kind == "float":
+        if body not in ("nan", "inf", "-inf"):
+            raise ManifestError(f"{where}: bad float {body!r:.80}")
+    elif kind == "value":
+        if not (body is None or isinstance(body, (bool, int, float, str))):
+            raise ManifestError(f"{where}: bad value {body!r:.80}")
+    elif kind == "dict":
+        if not isinstance(body, list) or any(
+            not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], (str, int))
+            or isinstance(item[0], bool)
+            for item in body
+        ):
+            raise ManifestError(f"{where}: bad dict node {body!r:.80}")
+        for k, child in body:
+            _check_tree(child, tensors, f"{where}/{k}", depth + 1)
+    elif kind in ("list", "tuple"):
+        if not isinstance(body, list):
+            raise ManifestError(f"{where}: bad {kind} node {body!r:.80}")
+        for i, child in enumerate(body):
+            _check_tree(child, tensors, f"{where}/{i}", depth + 1)
+    else:
+        raise ManifestError(f"{where}: unknown node kind {kind!r:.80}")
 
 
 def _parse_tensor(rec: Any, where: str) -> TensorRecord:
@@ -193,11 +229,23 @@ def _parse_tensor(rec: Any, where: str) -> TensorRecord:
         if not ok or ".." in key.split("/") or key.startswith("/"):
             raise ManifestError(f"{where}: chunk {key!r} has a bad entry {entry!r:.80}")
         chunks[key] = (entry[0], entry[1])
+    dtype = _field(rec, "dtype", str, where)
+    if dtype not in dtypes.NAMES:
+        raise ManifestError(f"{where}: unknown dtype {dtype!r:.40}")
+    changed = _count(rec, "changed", where)
+    rank_ok = {
+        "full": len(chunk_shape) == len(shape),
+        "rows": len(chunk_shape) == len(shape) >= 1 and changed <= shape[0],
+        "chunks": len(chunk_shape) == 1,
+    }[encoding]
+    if not rank_ok or any(d < 1 for d in chunk_shape):
+        raise ManifestError(f"{where}: chunk_shape {chunk_shape} does not fit shape {shape} "
+                            f"and encoding {encoding!r}")
     return TensorRecord(
-        dtype=_field(rec, "dtype", str, where),
+        dtype=dtype,
         shape=tuple(shape),
         encoding=encoding,
         chunk_shape=tuple(chunk_shape),
-        changed=_count(rec, "changed", where),
+        changed=changed,
         chunks=chunks,
     )

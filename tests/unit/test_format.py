@@ -1,0 +1,51 @@
+"""The arrays of a step are standard zarr v3 arrays that zarr-python reads."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from deltackpt import Checkpointer
+
+
+def read(path, step: int, key: str, attempt_of) -> np.ndarray:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # commits/ is not a zarr node; zarr says so
+        return zarr.open_array(os.path.join(path, "steps", attempt_of(step), key), mode="r")[...]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64, torch.bool, torch.uint8])
+def test_base_and_delta_arrays_read_with_zarr(store_path, dtype):
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randint(0, 2, (1001, 3), generator=gen).to(dtype)
+    vec = torch.randint(0, 2, (517,), generator=gen).to(dtype)
+    with Checkpointer(store_path, chunk_bytes=1000, memory_budget=4000, dense_chunk_bytes=64) as ckpt:
+        ckpt.save(0, {"t": table, "v": vec, "s": torch.tensor(3, dtype=dtype)})
+        table[[5, 900]] = torch.full((2, 3), 1 if dtype == torch.bool else 7).to(dtype)
+        vec[500] = ~vec[500] if dtype == torch.bool else 9
+        ckpt.save(1, {"t": table, "v": vec, "s": torch.tensor(3, dtype=dtype)})
+        attempt = lambda s: ckpt.store.manifest(s).attempt  # noqa: E731
+        m1 = ckpt.store.manifest(1)
+    assert int(read(store_path, 0, "s", attempt)) == (1 if dtype == torch.bool else 3)
+    np.testing.assert_array_equal(read(store_path, 1, "t/ids", attempt), [5, 900])
+    np.testing.assert_array_equal(read(store_path, 1, "t/rows", attempt), table[[5, 900]].numpy())
+    # A dense delta holds only the changed chunk; zarr reads the rest as the fill value.
+    per_chunk = 64 // vec.element_size()
+    assert set(m1.tensors["v"].chunks) == {"zarr.json", f"c/{500 // per_chunk}"}
+    lo = 500 // per_chunk * per_chunk
+    flat = read(store_path, 1, "v", attempt)
+    np.testing.assert_array_equal(flat[lo : lo + per_chunk], vec[lo : lo + per_chunk].numpy())
+
+
+def test_bfloat16_is_stored_as_its_bits(store_path):
+    w = torch.randn(10, 4).bfloat16()
+    with Checkpointer(store_path) as ckpt:
+        ckpt.save(0, {"w": w})
+        arr = zarr.open_array(os.path.join(store_path, "steps", ckpt.store.manifest(0).attempt, "w"))
+    assert arr.dtype == np.uint16 and arr.attrs["torch_dtype"] == "bfloat16"
+    assert torch.equal(torch.from_numpy(arr[...]).view(torch.bfloat16), w)

@@ -1,0 +1,123 @@
+"""Strict restore, step rules and the delta after a restore."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from deltackpt import (
+    Checkpointer,
+    DtypeMismatchError,
+    KeyMismatchError,
+    ShapeMismatchError,
+    StateError,
+    StepExistsError,
+    StepNotFoundError,
+)
+from helpers import assert_same_state, same_bits
+
+
+def model_and_opt(seed: int):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Embedding(50, 4), nn.Linear(4, 2))
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    return model, opt
+
+
+def train(model, opt, steps: int) -> None:
+    for i in range(steps):
+        opt.zero_grad()
+        model(torch.tensor([i % 50, (7 * i) % 50])).sum().backward()
+        opt.step()
+
+
+def test_restore_into_fresh_module_and_optimizer_then_delta(store_path):
+    model, opt = model_and_opt(0)
+    train(model, opt, 3)
+    state = {"model": model, "optim": opt, "epoch": 1, "rng": torch.get_rng_state()}
+    with Checkpointer(store_path) as ckpt:
+        ckpt.save(3, state)
+        train(model, opt, 2)
+        ckpt.save(5, state)
+    model2, opt2 = model_and_opt(1)
+    state2 = {"model": model2, "optim": opt2, "epoch": 0, "rng": torch.zeros_like(state["rng"])}
+    with Checkpointer(store_path) as ckpt:
+        assert ckpt.restore(state2) == 5
+        assert state2["epoch"] == 1
+        assert_same_state(model2.state_dict(), model.state_dict())
+        assert_same_state(opt2.state_dict(), opt.state_dict())
+        train(model2, opt2, 1)
+        train(model, opt, 1)
+        info = ckpt.save(6, state2)
+        assert info.kind == "delta"  # a restarted job is not forced into a full base
+        assert info.rows_changed < 10
+    with Checkpointer(store_path) as ckpt:
+        assert_same_state(ckpt.load(6), {"model": model.state_dict(), "optim": opt.state_dict(),
+                                         "epoch": 1, "rng": state["rng"]})
+
+
+def test_key_mismatch_names_both_sides(store_path):
+    with Checkpointer(store_path) as ckpt:
+        ckpt.save(0, {"a": torch.zeros(3), "b": {"c": torch.zeros(2)}})
+        target = {"a": torch.ones(3), "b": {"d": torch.zeros(2)}, "e": 1}
+        with pytest.raises(KeyMismatchError) as err:
+            ckpt.restore(target)
+        assert err.value.missing == ["b/c"] and sorted(err.value.unexpected) == ["b/d", "e"]
+        assert "b/c" in str(err.value) and "b/d" in str(err.value)
+        assert target["a"].eq(1).all()  # nothing changed
+
+
+def test_dtype_and_shape_mismatch(store_path):
+    with Checkpointer(store_path) as ckpt:
+        ckpt.save(0, {"w": torch.zeros(4, 2)})
+        with pytest.raises(DtypeMismatchError, match=r"w: target dtype torch.bfloat16 != saved torch.float32"):
+            ckpt.restore({"w": torch.zeros(4, 2, dtype=torch.bfloat16)})
+        with pytest.raises(ShapeMismatchError, match=r"w: target shape \(4, 3\) != saved \(4, 2\)"):
+            ckpt.restore({"w": torch.zeros(4, 3)})
+        with pytest.raises(StateError, match="the target is a dict"):
+            ckpt.restore({"w": {"x": torch.zeros(1)}})
+
+
+def test_module_key_mismatch(store_path):
+    model, _ = model_and_opt(0)
+    with Checkpointer(store_path) as ckpt:
+        ckpt.save(0, {"model": model})
+        with pytest.raises(KeyMismatchError, match="model/2.weight"):
+            ckpt.restore({"model": nn.Sequential(nn.Embedding(50, 4), nn.Linear(4, 2), nn.Linear(2, 2))})
+
+
+def test_saving_a_committed_step_fails_and_changes_nothing(store_path):
+    w = torch.arange(6.0).reshape(3, 2)
+    with Checkpointer(store_path) as ckpt:
+        ckpt.save(1, {"w": w})
+        ckpt.save(2, {"w": w + 1})
+        with pytest.raises(StepExistsError, match="step 2 is committed already"):
+            ckpt.save(2, {"w": w * 0})
+        with pytest.raises(StepExistsError, match="not after the latest committed step 2"):
+            ckpt.save(0, {"w": w * 0})
+        assert ckpt.steps() == [1, 2]
+        assert same_bits(ckpt.load(2)["w"], w + 1)
+        assert ckpt.save(3, {"w": w + 1}).kind == "delta"
+
+
+def test_unknown_step(store_path):
+    with Checkpointer(store_path) as ckpt:
+        with pytest.raises(StepNotFoundError, match="committed steps: none"):
+            ckpt.load()
+        ckpt.save(4, {"x": torch.zeros(1)})
+        with pytest.raises(StepNotFoundError, match="step 9 is not committed; committed steps: 4"):
+            ckpt.load(9)
+
+
+@pytest.mark.parametrize("bad", [object(), {1.5: 2}, torch.zeros(3).to_sparse()])
+def test_unsupported_values(store_path, bad):
+    with Checkpointer(store_path) as ckpt, pytest.raises(StateError):
+        ckpt.save(0, {"x": bad})
+
+
+def test_constructor_validation(store_path):
+    with pytest.raises(ValueError, match="chunk_bytes must be a positive int, got 0"):
+        Checkpointer(store_path, chunk_bytes=0)
+    with pytest.raises(ValueError, match="memory_budget"):
+        Checkpointer(store_path, chunk_bytes=1 << 20, memory_budget=1 << 20)
