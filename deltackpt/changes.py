@@ -1,19 +1,39 @@
-"""Finding what changed since the last commit, exactly, from content hashes.
+"""Finding what changed since the last commit, exactly: from row marks where a table is tracked,
+from content hashes everywhere else.
 
-Tensors with two or more dimensions are row-sparse: a 64-bit hash per row (along dimension 0)
-finds changed rows. Others (0-d, 1-d) are dense: a hash per fixed-size chunk of their bytes finds
-changed chunks. Hashes compare bits, so a row holding the same NaN payload is unchanged and
-``-0.0`` differs from ``0.0``. A change goes unseen only on a 64-bit hash collision (XXH64,
-probability about 2^-64 per changed row or chunk).
+Tensors with two or more dimensions are row-sparse: their change set is a sorted list of row ids
+(along dimension 0). Others (0-d, 1-d) are dense: their change set lists fixed-size chunks of
+their bytes. Both are found one of two ways:
+
+* Hashes: a 64-bit hash per row or chunk, compared with the hashes of the last commit. Hashes
+  compare bits, so a row holding the same NaN payload is unchanged and ``-0.0`` differs from
+  ``0.0``. A change goes unseen only on an XXH64 collision (about 2^-64 per changed row or chunk).
+* Marks (:mod:`deltackpt.tracking`): for a tracked table and its aligned optimizer state, the
+  rows its lookups marked since the last commit, with no pass over the table. The hashes of those
+  rows (or of the chunks holding them, for 1-D state) are recomputed on the table's device, so
+  the last commit's hashes stay current at O(changed) cost. Each such save also re-hashes a
+  random sample of unmarked rows (the :class:`~deltackpt.tracking.Canary`) and compares them
+  with the last commit: a mismatch means something changes rows without a lookup (weight decay,
+  dense Adam, a custom optimizer). It logs a warning naming the table, hashes that table and its
+  optimizer state from then on, and the save writes the rows the hashes find.
+
+A table's marks become its change set only once they cover everything since the last commit: its
+first save after tracking starts (or after it was resized) hashes it and starts recording, and a
+restore restarts the marks from the restored state. Marks are dropped only when the save that
+used them commits; those of a failed save go into the next one.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from . import kernels
+from .tracking import RowTracker, TableMode, TrackedGroup, TrackedTable
+
+log = logging.getLogger(__name__)
 
 
 def is_row_sparse(t: torch.Tensor) -> bool:
@@ -25,25 +45,51 @@ class TensorChange:
     """What changed in one tensor.
 
     Attributes:
-        hashes: the tensor's hashes now (per row or per chunk), on the CPU.
-        changed: sorted changed row ids or chunk indices (int64), or None when there is nothing
-            to compare with (a new tensor, or a new dtype or shape): the tensor must be written whole.
+        changed: sorted changed row ids or chunk indices (int64, CPU), or None when there is
+            nothing to compare with (a new tensor, or a new dtype or shape): the tensor must be
+            written whole.
+        hashes: the tensor's hashes now (per row or per chunk, on the CPU): of every row or
+            chunk, or only of those in ``changed`` when ``partial``.
+        partial: whether ``hashes`` covers ``changed`` only (a change set found from marks).
     """
 
-    hashes: torch.Tensor
     changed: torch.Tensor | None
+    hashes: torch.Tensor
+    partial: bool = False
+
+
+@dataclass
+class _Reference:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    hashes: torch.Tensor  # CPU int64, one per row or chunk
+
+    def matches(self, t: torch.Tensor) -> bool:
+        return self.dtype == t.dtype and self.shape == tuple(t.shape)
 
 
 class ChangeTracker:
-    """Hashes of every tensor as of the last commit.
+    """The last commit's hashes of every tensor, and the marks of tracked tables.
+
+    Call order: :meth:`scan` at each save, then :meth:`adopt` once that save has committed;
+    :meth:`reset` after a restore.
 
     Args:
         dense_chunk_bytes: chunk size for dense tensors' hashes and delta chunks.
+
+    Attributes:
+        rows: the tracked tables; ``Checkpointer.track`` and ``Checkpointer.mark`` feed it.
     """
 
     def __init__(self, dense_chunk_bytes: int):
         self.dense_chunk_bytes = dense_chunk_bytes
-        self._hashes: dict[str, tuple[torch.dtype, tuple[int, ...], torch.Tensor]] = {}
+        self.rows = RowTracker()
+        self._refs: dict[str, _Reference] = {}
+        self._scanned: list[TrackedTable] = []  # tables of the last scan, for adopt
+        # The canary's own generator: drawing from torch's global one would change the training's
+        # random stream whenever a checkpoint is saved.
+        self._rng = torch.Generator()
+        self._rng.seed()
 
     def chunk_elems(self, t: torch.Tensor) -> int:
         """Elements per dense chunk of ``t``: one chunk for a tensor smaller than a chunk, so a
@@ -51,31 +97,145 @@ class ChangeTracker:
         return max(1, min(t.numel(), self.dense_chunk_bytes // t.element_size()))
 
     def hash(self, t: torch.Tensor) -> torch.Tensor:
+        """Every row's or chunk's hash of ``t``, on the CPU."""
         if is_row_sparse(t):
             return kernels.hash_rows(t).cpu()
         return kernels.hash_chunks(t, self.chunk_elems(t) * t.element_size()).cpu()
 
+    def keys(self) -> set[str]:
+        """Keys of the tensors the last commit (or restore) hashed."""
+        return set(self._refs)
+
+    # -- the three entry points -----------------------------------------------------------------
+
     def scan(self, tensors: dict[str, torch.Tensor]) -> dict[str, TensorChange]:
-        """Hashes every tensor and compares with the last commit."""
-        out = {}
+        """The change set of every tensor since the last commit: from marks for tracked tables
+        whose marks are complete, from hashes for the rest."""
+        out: dict[str, TensorChange] = {}
+        self._scanned = []
+        for group in self.rows.resolve(tensors):
+            out.update(self._scan_group(group, tensors))
+            self._scanned.append(group.table)
         for key, t in tensors.items():
-            h = self.hash(t)
-            prev = self._hashes.get(key)
-            if prev is None or prev[0] != t.dtype or prev[1] != tuple(t.shape):
-                out[key] = TensorChange(h, None)
-            else:
-                out[key] = TensorChange(h, (h != prev[2]).nonzero().flatten())
+            if key not in out:
+                out[key] = self._scan_hashes(key, t)
         return out
 
     def adopt(self, tensors: dict[str, torch.Tensor], changes: dict[str, TensorChange]) -> None:
-        """Makes the scanned hashes the reference, after the save that used them committed."""
-        self._hashes = {
-            k: (t.dtype, tuple(t.shape), changes[k].hashes) for k, t in tensors.items()
-        }
+        """Makes the scanned hashes the reference and drops the marks the save used, after the
+        save that used them committed."""
+        refs = {}
+        for key, t in tensors.items():
+            ch = changes[key]
+            if ch.partial:
+                ref = self._refs[key]
+                ref.hashes[ch.changed] = ch.hashes
+                refs[key] = ref
+            else:
+                refs[key] = _Reference(t.dtype, tuple(t.shape), ch.hashes)
+        self._refs = refs
+        for table in self._scanned:
+            if table.mode is TableMode.STARTING:
+                table.mode = TableMode.ON
+            table.settle()
+        self._scanned = []
 
     def reset(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Takes ``tensors`` (just restored) as the reference."""
-        self.adopt(tensors, {k: TensorChange(self.hash(t), None) for k, t in tensors.items()})
+        """Takes ``tensors`` (just restored) as the reference; tracked tables' marks restart."""
+        self._refs = {k: _Reference(t.dtype, tuple(t.shape), self.hash(t)) for k, t in tensors.items()}
+        self._scanned = []
+        for group in self.rows.resolve(tensors):
+            if group.table.mode is not TableMode.HASHING:
+                t = tensors[group.keys[0]]
+                group.table.begin(group.rows, t.device)
+                group.table.mode = TableMode.ON
 
-    def keys(self) -> set[str]:
-        return set(self._hashes)
+    # -- internals ------------------------------------------------------------------------------
+
+    def _scan_hashes(self, key: str, t: torch.Tensor) -> TensorChange:
+        h = self.hash(t)
+        ref = self._refs.get(key)
+        if ref is None or not ref.matches(t):
+            return TensorChange(None, h)
+        return TensorChange((h != ref.hashes).nonzero().flatten(), h)
+
+    def _scan_group(
+        self, group: TrackedGroup, tensors: dict[str, torch.Tensor]
+    ) -> dict[str, TensorChange]:
+        table = group.table
+        members = {k: tensors[k] for k in group.keys}
+        if table.mode is TableMode.ON and table.mask is not None and table.mask.shape[0] != group.rows:
+            table.stop()  # resized since the marks started: they cannot stand for its changes
+        if table.mode is TableMode.ON:
+            ids = table.take()
+            missed = self._canary(group, members, ids)
+            if not missed:
+                return {k: self._from_marks(k, t, ids) for k, t in members.items()}
+            log.warning(
+                "tracked table %r: %s changed in rows that no lookup marked (weight decay, a "
+                "dense optimizer update or a custom update?); detecting its changes by hashing "
+                "from now on", table.name, ", ".join(missed))
+            table.mode = TableMode.HASHING
+            table.stop()
+        if table.mode is not TableMode.HASHING:
+            # Marks from here on, with this scan's hashes, will cover the next save.
+            table.begin(group.rows, members[group.keys[0]].device)
+            table.mode = TableMode.STARTING
+        return {k: self._scan_hashes(k, t) for k, t in members.items()}
+
+    def _from_marks(self, key: str, t: torch.Tensor, ids: torch.Tensor) -> TensorChange:
+        ref = self._refs.get(key)
+        if ref is None or not ref.matches(t):
+            return TensorChange(None, self.hash(t))
+        units = self._units(t, ids)
+        return TensorChange(units, self._hash_units(t, units), partial=True)
+
+    def _canary(
+        self, group: TrackedGroup, members: dict[str, torch.Tensor], ids: torch.Tensor
+    ) -> list[str]:
+        """Keys whose sampled unmarked rows differ from the last commit."""
+        sample = torch.randint(
+            0, group.rows, (group.table.canary.sample_size(group.rows),), generator=self._rng
+        )
+        if ids.numel():
+            at = torch.searchsorted(ids, sample).clamp_(max=ids.numel() - 1)
+            sample = sample[ids[at] != sample]
+        missed = []
+        for key, t in members.items():
+            ref = self._refs.get(key)
+            if ref is None or not ref.matches(t):
+                continue
+            units = self._units(t, sample)
+            if not is_row_sparse(t) and units.numel():
+                # A chunk holding a marked row has changed legitimately; only whole-unmarked
+                # chunks can be checked.
+                units = units[~torch.isin(units, self._units(t, ids))]
+            if units.numel() and not torch.equal(self._hash_units(t, units), ref.hashes[units]):
+                missed.append(key)
+        return missed
+
+    def _units(self, t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The rows, or for a dense tensor the sorted unique chunks holding them."""
+        if is_row_sparse(t):
+            return rows
+        return torch.unique(rows // self.chunk_elems(t))
+
+    def _hash_units(self, t: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
+        """Hashes of rows or chunks ``units`` of ``t``, computed on ``t``'s device, on the CPU."""
+        if not units.numel():
+            return torch.empty(0, dtype=torch.int64)
+        if is_row_sparse(t):
+            return kernels.hash_rows(kernels.gather_rows(t, units.to(t.device))).cpu()
+        # A chunk's hash is the hash of its bytes, so whole chunks hash as the rows of a
+        # (chunks, chunk_elems) view; the short last chunk, if any, on its own.
+        ce = self.chunk_elems(t)
+        flat = t.reshape(-1)
+        whole = flat.numel() // ce
+        out = torch.empty(units.numel(), dtype=torch.int64)
+        inner = units < whole
+        if inner.any():
+            grid = flat[: whole * ce].view(whole, ce)
+            out[inner] = kernels.hash_rows(kernels.gather_rows(grid, units[inner].to(t.device))).cpu()
+        if not inner.all():
+            out[~inner] = kernels.hash_rows(flat[whole * ce :].view(1, -1)).cpu()
+        return out

@@ -1,7 +1,22 @@
-"""The Checkpointer: save, list, load and restore steps of one store."""
+"""The Checkpointer: save, list, load and restore steps of one store, on one rank or many.
+
+Save protocol (every rank calls ``save`` with the same step):
+
+1. ``plan_local`` (all ranks): flatten the state; each rank's plan lists its tensors' boxes.
+2. ``plan_global`` (coordinator): check the step, validate the boxes and give every distinct box
+   one writer (:mod:`deltackpt.planner`); cached while no rank's local plan changes.
+3. ``scan`` (all): each rank finds what changed in the parts it writes.
+4. ``decide`` (coordinator): base or delta by the policy; writes every array's metadata.
+5. ``write`` (all): each rank writes its parts' chunks and makes them durable.
+6. ``commit`` (coordinator): the commit record, created only if absent.
+
+A failure in any phase on any rank raises :class:`CheckpointAborted` on every rank; nothing is
+committed, and the change trackers keep their state, so the next save carries the changes.
+"""
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import time
@@ -14,16 +29,20 @@ import torch
 
 from . import dtypes, statetree
 from .changes import ChangeTracker, TensorChange, is_row_sparse
-from .errors import StepExistsError, StepNotFoundError
-from .manifest import Manifest
+from .collectives import Collective
+from .errors import KeyMismatchError, StepExistsError, StepNotFoundError
+from .manifest import Manifest, PartRecord, TensorRecord
+from .planner import GlobalPlan, ItemInfo, LocalPlan, make_global_plan
 from .policy import BasePolicy, ChainState, EveryK
 from .reader import ChainReader
 from .restoring import plan_restore
+from .sharding import Box, Shard
 from .staging import StagingPool
 from .storage import Storage
 from .store import STEPS, Store, open_storage
+from .tracking import Canary, TrackHandle
 from .verify import VerifyReport, verify
-from .writer import StepWriter
+from .writer import StepWriter, chunk_shape, part_folder
 
 log = logging.getLogger(__name__)
 
@@ -32,15 +51,15 @@ MiB = 1 << 20
 
 @dataclass(frozen=True)
 class SaveInfo:
-    """What one save did.
+    """What one save did (over all ranks).
 
     Attributes:
         step: the step saved.
         kind: ``"base"`` or ``"delta"``.
-        bytes_written: bytes of every chunk file written.
+        bytes_written: bytes of every file written.
         state_bytes: bytes of every tensor of the state (what a full checkpoint writes).
         rows_changed: rows written for row-sparse tensors (all rows, for a base).
-        seconds: wall time of the save.
+        seconds: wall time of the save on this rank.
         reason: why the policy chose this kind.
     """
 
@@ -53,6 +72,17 @@ class SaveInfo:
     reason: str
 
 
+@dataclass(frozen=True)
+class _Scan:
+    """One rank's change summary of a part it writes."""
+
+    key: str
+    path: str
+    complete: bool  # False: no reference to compare with, the part must be written whole
+    changed: int  # rows or chunks
+    delta_bytes: int
+
+
 class Checkpointer:
     """Saves training state as bases and deltas into a zarr v3 store, and restores any step.
 
@@ -60,10 +90,14 @@ class Checkpointer:
         path: a local directory (created if absent) or a :class:`~deltackpt.storage.Storage`.
         base_every: a base every this many saves (ignored when ``policy`` is given).
         policy: the base-cadence policy; default ``EveryK(base_every)``.
+        process_group: the ranks that checkpoint together; default: all ranks when
+            torch.distributed is initialized, else this process alone.
+        coordinator_rank: the rank (in ``process_group``) that plans and commits.
+        timeout: how long a rank waits for the others in a save or restore.
         chunk_bytes: target size of a chunk file.
         dense_chunk_bytes: change-detection granularity of dense (0-d, 1-d) tensors.
         memory_budget: bytes of host staging memory a save or restore may add.
-        io_threads: parallel reads and writes.
+        io_threads: parallel reads and writes per rank.
         create: create the store if absent; if False, a missing store raises StoreError.
 
     Example:
@@ -82,6 +116,9 @@ class Checkpointer:
         *,
         base_every: int = 10,
         policy: BasePolicy | None = None,
+        process_group: Any = None,
+        coordinator_rank: int = 0,
+        timeout: datetime.timedelta = datetime.timedelta(minutes=10),
         chunk_bytes: int = 32 * MiB,
         dense_chunk_bytes: int = 1 * MiB,
         memory_budget: int = 256 * MiB,
@@ -90,24 +127,39 @@ class Checkpointer:
     ):
         for name, value in (("chunk_bytes", chunk_bytes), ("dense_chunk_bytes", dense_chunk_bytes),
                             ("io_threads", io_threads)):
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if memory_budget < 2 * chunk_bytes:
             raise ValueError(
                 f"memory_budget ({memory_budget}) must hold at least two chunks of {chunk_bytes} B"
             )
         self.policy: BasePolicy = policy if policy is not None else EveryK(base_every)
+        self._coll = Collective(process_group, timeout=timeout, coordinator_rank=coordinator_rank)
         self.store = Store(open_storage(path))
         if create:
-            self.store.create()
+            self._coll.one("open", self.store.create)
         self.store.check_exists()
         self._chunk_bytes = chunk_bytes
+        self._dense_chunk_bytes = dense_chunk_bytes
         self._tracker = ChangeTracker(dense_chunk_bytes)
         self._pool = StagingPool(memory_budget // chunk_bytes, chunk_bytes,
                                  pin=torch.cuda.is_available())
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="deltackpt-io")
         self._head: Manifest | None = None  # the step the next delta applies to
         self._chain = ChainState(0, 0, 0)
+        self._sent_digest: str | None = None  # this rank's last local plan, as sent
+        self._local_plans: dict[int, LocalPlan] = {}  # coordinator: the ranks' last local plans
+        self._plan: tuple[tuple[str, ...], GlobalPlan] | None = None  # digests -> cached plan
+
+    @property
+    def rank(self) -> int:
+        """This process's rank among the checkpointing ranks."""
+        return self._coll.rank
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks checkpoint together."""
+        return self._coll.size
 
     # -- listing --------------------------------------------------------------------------------
 
@@ -125,53 +177,210 @@ class Checkpointer:
     def save(self, step: int, state: Mapping[str, Any]) -> SaveInfo:
         """Saves ``state`` as ``step``: a base or a delta against the last step saved or restored.
 
+        Every rank of the process group calls it with the same step; each passes its own state
+        (its shards, and replicas of everything else).
+
         Args:
             step: the training step; must be after every committed step.
-            state: nested dict of tensors, modules, optimizers and JSON-able values.
+            state: nested dict of tensors, :class:`Shard` s, DTensors, modules, optimizers and
+                JSON-able values.
 
         Returns:
-            What was written.
+            What was written, over all ranks.
 
         Raises:
             StepExistsError: ``step`` is committed already or not after the latest step.
             StateError: ``state`` holds something that cannot be saved.
             StoreError: writing failed; nothing was committed, and the changes it would have
                 saved go into the next save.
+            CheckpointAborted: on several ranks, any rank's failure, a dead or hung rank.
         """
         t0 = time.perf_counter()
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise StepExistsError(f"step must be a non-negative int, got {step!r}")
+        local: dict[str, Any] = {}
+
+        def plan_local() -> tuple[int, str, LocalPlan | None]:
+            self._fault("plan_local")
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                raise StepExistsError(f"step must be a non-negative int, got {step!r}")
+            flat = statetree.flatten(state)
+            shards = {k: s if s.local.is_contiguous() else
+                      Shard(s.local.contiguous(), global_shape=s.global_shape, global_offset=s.global_offset)
+                      for k, s in flat.tensors.items()}
+            items = tuple(
+                ItemInfo(k, dtypes.name(s.local.dtype), s.global_shape, s.box, s.local.element_size())
+                for k, s in sorted(shards.items())
+            )
+            plan = LocalPlan(self.rank, items, flat.tree, (self._chunk_bytes, self._dense_chunk_bytes))
+            local.update(shards=shards, digest=plan.digest())
+            return step, local["digest"], None if local["digest"] == self._sent_digest else plan
+
+        sent = self._coll.all("plan_local", plan_local)
+        plan = self._global_plan(sent)
+        self._sent_digest = local["digest"]
+        owned = plan.owned(self.rank)
+
+        def scan() -> list[_Scan]:
+            tensors = {tp.key: local["shards"][tp.key].local for tp, _ in owned}
+            changes = self._tracker.scan(tensors)
+            local.update(tensors=tensors, changes=changes)
+            return [self._summary(tp.key, part.path, tensors[tp.key], changes[tp.key])
+                    for tp, part in owned]
+
+        scans = [s for per_rank in self._coll.all("scan", scan) for s in per_rank]
+        kind, reason, attempt, changed = self._coll.one(
+            "decide", lambda: self._decide_and_describe(step, plan, scans, local))
+
+        def write() -> dict[tuple[str, str], dict[str, tuple[int, str]]]:
+            writer = StepWriter(self.store.storage, f"{STEPS}/{attempt}", self._pool, self._executor)
+            for tp, part in owned:
+                self._write_part(writer, kind, tp.key, part.path, part.box, local["tensors"][tp.key],
+                                 local["changes"][tp.key], changed[(tp.key, part.path)])
+            try:
+                return writer.finish()
+            finally:
+                self.store.storage.sync(writer.written)
+
+        results = self._coll.all("write", write)
+        manifest = self._coll.one(
+            "commit", lambda: self._commit(step, kind, reason, attempt, plan, changed, results, local))
+        self._tracker.adopt(local["tensors"], local["changes"])
+        self._head = manifest
+        self._chain = (
+            ChainState(0, 0, manifest.bytes_written) if kind == "base"
+            else ChainState(self._chain.deltas + 1, self._chain.delta_bytes + manifest.bytes_written,
+                            self._chain.base_bytes)
+        )
+        rows = sum(r.changed for r in manifest.tensors.values() if len(r.shape) >= 2)
+        info = SaveInfo(step, kind, manifest.bytes_written, manifest.state_bytes, rows,
+                        time.perf_counter() - t0, reason)
+        if self._coll.is_coordinator:
+            log.info("saved step %d: %s, %d B of %d B in %.3f s", step, kind, info.bytes_written,
+                     info.state_bytes, info.seconds)
+        return info
+
+    def _fault(self, phase: str) -> None:
+        hook = getattr(self.store.storage, "persist_point", None)
+        if hook is not None:
+            hook(phase, "")
+
+    def _global_plan(self, sent: list[tuple[int, str, LocalPlan | None]]) -> GlobalPlan:
+        """The coordinator's global plan, reused while every rank's local plan is unchanged."""
+
+        def plan_global() -> GlobalPlan | None:
+            for rank, (_, _, plan) in enumerate(sent):
+                if plan is not None:
+                    self._local_plans[rank] = plan
+            self._fault("plan_global")
+            steps = {s for s, _, _ in sent}
+            if len(steps) != 1:
+                raise StepExistsError(f"ranks save different steps: {sorted(steps)}")
+            self._check_step(steps.pop())
+            digests = tuple(d for _, d, _ in sent)
+            if self._plan is not None and self._plan[0] == digests:
+                return None
+            plans = [self._local_plans[r] for r in range(self.world_size)]
+            if len({p.settings for p in plans}) != 1:
+                raise ValueError(f"ranks use different chunk sizes: {sorted({p.settings for p in plans})}")
+            return make_global_plan(plans, statetree.merge([p.tree for p in plans]))
+
+        fresh = self._coll.one("plan_global", plan_global)
+        if fresh is not None:
+            self._plan = (tuple(d for _, d, _ in sent), fresh)
+        return self._plan[1]
+
+    def _check_step(self, step: int) -> None:
         latest = self.latest_step()
         if latest is not None and step <= latest:
             if step in self.steps():
                 raise StepExistsError(f"step {step} is committed already")
             raise StepExistsError(f"step {step} is not after the latest committed step {latest}")
-        flat = statetree.flatten(state)
-        tensors = {k: t if t.is_contiguous() else t.contiguous() for k, t in flat.tensors.items()}
-        for t in tensors.values():
-            dtypes.name(t.dtype)  # raises StateError for an unsupported dtype
-        changes = self._tracker.scan(tensors)
-        full_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        kind, reason = self._decide(tensors, changes, full_bytes)
 
+    def _summary(self, key: str, path: str, t: torch.Tensor, change: TensorChange) -> _Scan:
+        if change.changed is None:
+            return _Scan(key, path, False, 0, 0)
+        n = change.changed.numel()
+        if is_row_sparse(t):
+            return _Scan(key, path, True, n, n * (t[0].numel() * t.element_size() + 8))
+        return _Scan(key, path, True, n, n * self._tracker.chunk_elems(t) * t.element_size())
+
+    def _decide_and_describe(self, step: int, plan: GlobalPlan, scans: list[_Scan],
+                             local: dict[str, Any]) -> tuple[str, str, str, dict[tuple[str, str], int]]:
+        """Coordinator: base or delta, a fresh attempt folder, and every array's metadata."""
+        full_bytes = sum(_nbytes(t) for t in plan.tensors.values())
+        if self._head is None:
+            kind, reason = "base", "no earlier step saved or restored by this checkpointer"
+        elif not all(s.complete for s in scans):
+            kind, reason = "base", "a tensor is new, or its dtype, shape or layout changed"
+        else:
+            decision = self.policy.decide(self._chain, sum(s.delta_bytes for s in scans), full_bytes)
+            kind, reason = decision.kind, decision.reason
+        changed = {(s.key, s.path): s.changed for s in scans}
+        if kind == "base":
+            changed = {(t.key, p.path): p.box.shape[0] if p.box.shape else 1
+                       for t in plan.tensors.values() for p in t.parts}
         attempt = self.store.new_attempt(step)
-        writer = StepWriter(self.store.storage, f"{STEPS}/{attempt}", self._pool, self._executor,
-                            self._chunk_bytes)
-        rows_changed = 0
-        for key, t in tensors.items():
-            ch = changes[key].changed
-            if kind == "base":
-                writer.full(key, t)
-                rows_changed += t.shape[0] if is_row_sparse(t) else 0
-            elif is_row_sparse(t):
-                writer.rows(key, t, ch)
-                rows_changed += ch.numel()
-            else:
-                writer.chunks(key, t, ch.tolist(), self._tracker.chunk_elems(t))
+        writer = StepWriter(self.store.storage, f"{STEPS}/{attempt}", self._pool, self._executor)
+        folders = {""}
+        for t in plan.tensors.values():
+            dt = dtypes.from_name(t.dtype)
+            itemsize = _itemsize(t.dtype)
+            for p in t.parts:
+                n = changed[(t.key, p.path)]
+                encoding = _encoding(kind, t.global_shape)
+                cs = chunk_shape(encoding, p.box.shape, itemsize, n, self._chunk_bytes,
+                                 self._dense_chunk_bytes)
+                if encoding == "full":
+                    writer.array(t.key, p.path, "", p.box.shape, cs, dt)
+                elif n == 0:
+                    continue
+                elif encoding == "rows":
+                    writer.group(t.key, p.path)
+                    writer.array(t.key, p.path, "ids", (n,), (cs[0],), torch.int64)
+                    writer.array(t.key, p.path, "rows", (n, *p.box.shape[1:]), cs, dt)
+                else:
+                    writer.array(t.key, p.path, "", (p.box.numel,), cs, dt)
+                parts = part_folder(t.key, p.path).split("/")
+                folders.update("/".join(parts[:i]) for i in range(1, len(parts)))
+        writer.groups(sorted(folders))
         try:
-            records = writer.finish()
+            local["docs"] = writer.finish()
         finally:
             self.store.storage.sync(writer.written)
+        return kind, reason, attempt, changed
+
+    def _write_part(self, writer: StepWriter, kind: str, key: str, path: str, box: Box,
+                    t: torch.Tensor, change: TensorChange, n: int) -> None:
+        encoding = _encoding(kind, tuple(t.shape))
+        cs = chunk_shape(encoding, box.shape, t.element_size(), n, self._chunk_bytes,
+                         self._dense_chunk_bytes)
+        if encoding == "full":
+            writer.full(key, path, t, cs)
+        elif encoding == "rows":
+            writer.rows(key, path, t, change.changed, box.offset[0], cs[0])
+        else:
+            writer.chunks(key, path, t, change.changed.tolist(), cs[0])
+
+    def _commit(self, step: int, kind: str, reason: str, attempt: str, plan: GlobalPlan,
+                changed: dict[tuple[str, str], int],
+                results: list[dict[tuple[str, str], dict[str, tuple[int, str]]]],
+                local: dict[str, Any]) -> Manifest:
+        """Coordinator: the commit record from every rank's files, created only if absent."""
+        files: dict[tuple[str, str], dict[str, tuple[int, str]]] = {}
+        for per_rank in [local["docs"], *results]:
+            for where, chunks in per_rank.items():
+                files.setdefault(where, {}).update(chunks)
+        tensors = {}
+        for t in plan.tensors.values():
+            encoding = _encoding(kind, t.global_shape)
+            parts = tuple(
+                PartRecord(p.box.offset, p.box.shape, p.path,
+                           chunk_shape(encoding, p.box.shape, _itemsize(t.dtype),
+                                       changed[(t.key, p.path)], self._chunk_bytes,
+                                       self._dense_chunk_bytes),
+                           changed[(t.key, p.path)], files.get((t.key, p.path), {}))
+                for p in t.parts
+            )
+            tensors[t.key] = TensorRecord(t.dtype, t.global_shape, encoding, parts)
         head = self._head
         manifest = Manifest(
             step=step,
@@ -181,46 +390,17 @@ class Checkpointer:
             parent_attempt=None if kind == "base" else head.attempt,
             base=step if kind == "base" else head.base,
             chain_length=0 if kind == "base" else head.chain_length + 1,
-            world_size=1,
+            world_size=self.world_size,
             created=time.time(),
             policy={"name": self.policy.name, "decision": kind, "reason": reason},
-            tree=flat.tree,
-            tensors=records,
-            bytes_written=sum(r.nbytes_written for r in records.values()),
-            state_bytes=full_bytes,
+            tree=plan.tree,
+            tensors=tensors,
+            bytes_written=sum(size for chunks in files.values() for size, _ in chunks.values()),
+            state_bytes=sum(_nbytes(t) for t in plan.tensors.values()),
         )
         if not self.store.commit(manifest):
             raise StepExistsError(f"step {step} was committed by another writer meanwhile")
-        self._tracker.adopt(tensors, changes)
-        self._head = manifest
-        self._chain = (
-            ChainState(0, 0, manifest.bytes_written)
-            if kind == "base"
-            else ChainState(self._chain.deltas + 1, self._chain.delta_bytes + manifest.bytes_written,
-                            self._chain.base_bytes)
-        )
-        info = SaveInfo(step, kind, manifest.bytes_written, full_bytes, rows_changed,
-                        time.perf_counter() - t0, reason)
-        log.info("saved step %d: %s, %d B of %d B in %.3f s", step, kind, info.bytes_written,
-                 full_bytes, info.seconds)
-        return info
-
-    def _decide(
-        self, tensors: dict[str, torch.Tensor], changes: dict[str, TensorChange], full_bytes: int
-    ) -> tuple[str, str]:
-        if self._head is None:
-            return "base", "no earlier step saved or restored by this checkpointer"
-        if set(tensors) != self._tracker.keys() or any(c.changed is None for c in changes.values()):
-            return "base", "the set of tensors, a dtype or a shape changed"
-        delta_bytes = 0
-        for key, t in tensors.items():
-            n = changes[key].changed.numel()
-            if is_row_sparse(t):
-                delta_bytes += n * (t[0].numel() * t.element_size() + 8)
-            else:
-                delta_bytes += n * self._tracker.chunk_elems(t) * t.element_size()
-        decision = self.policy.decide(self._chain, delta_bytes, full_bytes)
-        return decision.kind, decision.reason
+        return manifest
 
     # -- load and restore ---------------------------------------------------------------------
 
@@ -231,8 +411,16 @@ class Checkpointer:
                 raise StepNotFoundError(-1, [])
         return step
 
-    def load(self, step: int | None = None) -> dict[str, Any]:
+    def load(self, step: int | None = None, *, row_shard: tuple[int, int] | None = None) -> dict[str, Any]:
         """The state saved at ``step`` (default: the latest), with every tensor on the CPU.
+
+        Reads from the store alone, on the calling rank only (not a collective).
+
+        Args:
+            step: the step.
+            row_shard: ``(rank, world_size)`` to read only that rank's rows of a row-wise
+                sharding (blocks of ``ceil(rows / world_size)`` rows, as ``torch.chunk`` splits);
+                tensors with dimensions then come back as :class:`Shard` s, 0-d ones whole.
 
         Raises:
             StepNotFoundError: ``step`` is not committed.
@@ -241,20 +429,28 @@ class Checkpointer:
         chain = self.store.chain(self._resolve(step))
         m = chain[-1]
         reader = ChainReader(self.store.storage, chain, self._pool, self._executor)
-        tensors = {}
+        out: dict[str, Any] = {}
         for key, rec in m.tensors.items():
-            t = torch.empty(rec.shape, dtype=dtypes.from_name(rec.dtype))
-            reader.read(key, t)
-            tensors[key] = t
-        return statetree.build(m.tree, tensors)
+            box = Box((0,) * len(rec.shape), rec.shape)
+            if row_shard is not None and rec.shape:
+                box = row_block(rec.shape, *row_shard)
+            t = torch.empty(box.shape, dtype=dtypes.from_name(rec.dtype))
+            reader.read(key, t, box)
+            out[key] = t if row_shard is None or not rec.shape else Shard(
+                t, global_shape=rec.shape, global_offset=box.offset)
+        return statetree.build(m.tree, out)
 
     def restore(self, state: Mapping[str, Any], step: int | None = None) -> int:
-        """Restores ``step`` (default: the latest) into ``state`` in place.
+        """Restores ``step`` (default: the latest) into ``state`` in place, on every rank.
 
-        Tensors are filled in place; modules get their parameters and buffers filled in place;
-        other objects with ``load_state_dict`` (optimizers) are loaded from the saved state;
-        plain values are replaced in their dicts and lists. Afterwards the next save can be a
-        delta against ``step``.
+        Each rank reads only the parts of the chain that intersect its tensors (its shards), so
+        a step saved on N ranks restores on any M. Tensors, Shards and DTensors are filled in
+        place; modules get their parameters and buffers filled in place; other objects with
+        ``load_state_dict`` (optimizers) are loaded from the saved state; plain values are
+        replaced in their dicts and lists. Afterwards the next save can be a delta against ``step``.
+
+        On several ranks, a rank may hold only some tensors (table-wise sharding); together the
+        ranks must hold every saved tensor.
 
         Returns:
             The step restored.
@@ -263,30 +459,48 @@ class Checkpointer:
             KeyMismatchError, DtypeMismatchError, ShapeMismatchError: ``state`` does not match
                 what was saved; nothing was changed.
             StepNotFoundError, BrokenChainError, IntegrityError: as for :meth:`load`.
+            CheckpointAborted: on several ranks, any rank's failure.
         """
-        step = self._resolve(step)
-        chain = self.store.chain(step)
+        chain = self._coll.one("read_chain", lambda: self.store.chain(self._resolve(step)))
         m = chain[-1]
-        plan = plan_restore(state, m)
-        reader = ChainReader(self.store.storage, chain, self._pool, self._executor)
-        final = {}
-        for key, rec in m.tensors.items():
-            target = plan.targets.get(key)
-            if target is not None and target.device.type == "cpu" and target.is_contiguous():
-                dest = target
-            else:
-                dest = torch.empty(rec.shape, dtype=dtypes.from_name(rec.dtype))
-            reader.read(key, dest)
-            if target is not None and dest is not target:
-                target.copy_(dest)
-            final[key] = target if target is not None else dest
-        plan.finish(final)
-        restored = statetree.flatten(state).tensors
-        self._tracker.reset({k: t if t.is_contiguous() else t.contiguous() for k, t in restored.items()})
+        plans = {}
+
+        def check() -> set[str]:
+            plans["plan"] = plan_restore(state, m, partial=self.world_size > 1)
+            return plans["plan"].covered
+
+        covered = set().union(*self._coll.all("restore_plan", check))
+        if covered != set(m.tensors):
+            raise KeyMismatchError(sorted(set(m.tensors) - covered), [])
+
+        def read() -> None:
+            plan = plans["plan"]
+            reader = ChainReader(self.store.storage, chain, self._pool, self._executor)
+            final: dict[str, torch.Tensor] = {}
+            for key in sorted(plan.covered):
+                rec = m.tensors[key]
+                target = plan.targets.get(key)
+                if target is None:  # loaded whole, for an optimizer's load_state_dict
+                    dest = torch.empty(rec.shape, dtype=dtypes.from_name(rec.dtype))
+                    reader.read(key, dest)
+                    final[key] = dest
+                    continue
+                local = target.local
+                direct = local.device.type == "cpu" and local.is_contiguous()
+                dest = local if direct else torch.empty(local.shape, dtype=local.dtype)
+                reader.read(key, dest, target.box)
+                if not direct:
+                    local.copy_(dest)
+                final[key] = local
+            plan.finish(final)
+            restored = statetree.flatten(state).tensors
+            self._tracker.reset({k: s.local.contiguous() for k, s in restored.items()})
+
+        self._coll.all("restore_read", read)
         self._head = m
-        base_bytes = chain[0].bytes_written
-        self._chain = ChainState(m.chain_length, sum(c.bytes_written for c in chain[1:]), base_bytes)
-        return step
+        self._chain = ChainState(m.chain_length, sum(c.bytes_written for c in chain[1:]),
+                                 chain[0].bytes_written)
+        return m.step
 
     def verify(
         self, step: int | None = None, progress: Callable[[int], None] = lambda n: None
@@ -300,6 +514,65 @@ class Checkpointer:
             steps = [step]
         return verify(self.store, steps, self._pool, self._executor, progress)
 
+    # -- tracking -------------------------------------------------------------------------------
+
+    def track(
+        self,
+        model: torch.nn.Module,
+        *,
+        prefix: str = "model",
+        optimizer: torch.optim.Optimizer | None = None,
+        optimizer_prefix: str = "optim",
+        canary: Canary | None = None,
+    ) -> TrackHandle:
+        """Marks the rows that ``model``'s embedding lookups touch, so deltas need not hash them.
+
+        Hooks every ``nn.Embedding``, ``nn.EmbeddingBag`` and TorchRec ``EmbeddingBagCollection``;
+        a delta then writes each table's marked rows, and those of ``optimizer``'s state aligned
+        with the table, checked by a canary (see :mod:`deltackpt.tracking`, :mod:`deltackpt.changes`).
+
+        Args:
+            model: the model, as it sits in the saved state.
+            prefix: its path in the state: ``"model"`` for ``{"model": model, ...}``.
+            optimizer: the optimizer whose per-row state shares the tables' marks.
+            optimizer_prefix: its path in the state: ``"optim"`` for ``{"optim": optimizer}``.
+            canary: how many unmarked rows each delta re-hashes (default ``Canary()``).
+
+        Returns:
+            The tracked flat keys, and ``remove()`` to stop.
+
+        Raises:
+            StateError: ``model`` is not an ``nn.Module``.
+
+        Example:
+            >>> import tempfile, torch
+            >>> model = torch.nn.Sequential(torch.nn.Embedding(100, 4))
+            >>> with Checkpointer(tempfile.mkdtemp()) as ckpt:
+            ...     ckpt.track(model, prefix="model").keys
+            ('model/0.weight',)
+        """
+        return self._tracker.rows.track(model, prefix=prefix, optimizer=optimizer,
+                                        optimizer_prefix=optimizer_prefix, canary=canary)
+
+    def mark(self, key: str, ids: torch.Tensor) -> None:
+        """Marks rows ``ids`` of the tensor at flat key ``key`` as changed, and tracks it by marks
+        from its next save on (for tables that no hooked module looks up).
+
+        Raises:
+            StateError: ``ids`` is not an int64 or int32 tensor.
+
+        Example:
+            >>> import tempfile, torch
+            >>> with Checkpointer(tempfile.mkdtemp()) as ckpt:
+            ...     table = torch.zeros(100, 4)
+            ...     _ = ckpt.save(0, {"table": table})
+            ...     table[7] = 1.0
+            ...     ckpt.mark("table", torch.tensor([7]))
+            ...     ckpt.save(1, {"table": table}).rows_changed
+            1
+        """
+        self._tracker.rows.mark(key, ids)
+
     # -- lifetime -------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -312,3 +585,30 @@ class Checkpointer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+def row_block(shape: tuple[int, ...], rank: int, world_size: int) -> Box:
+    """Rank ``rank``'s rows of a row-wise sharding over ``world_size`` ranks (``torch.chunk``'s
+    blocks of ``ceil(rows / world_size)``; the last ranks may get fewer rows, or none)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    block = -(-shape[0] // world_size)
+    lo = min(shape[0], rank * block)
+    hi = min(shape[0], lo + block)
+    return Box((lo, *(0,) * (len(shape) - 1)), (hi - lo, *shape[1:]))
+
+
+def _itemsize(dtype_name: str) -> int:
+    return torch.empty((), dtype=dtypes.from_name(dtype_name)).element_size()
+
+
+def _nbytes(t: Any) -> int:
+    n = 1
+    for d in t.global_shape:
+        n *= d
+    return n * _itemsize(t.dtype)
+
+
+def _encoding(kind: str, shape: tuple[int, ...]) -> str:
+    if kind == "base":
+        return "full"
+    return "rows" if len(shape) >= 2 else "chunks"

@@ -96,8 +96,10 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"{key:<40} {rec.dtype:<9} {str(list(rec.shape)):<18} {rec.encoding:<8} "
               f"{rec.changed:>9} {fmt_bytes(rec.nbytes_written):>11}")
         if args.chunks:
-            for name, (size, digest) in rec.chunks.items():
-                print(f"    {name:<36} {size:>12} xxh3:{digest}")
+            for part in rec.parts:
+                for name, (size, digest) in part.chunks.items():
+                    where = f"{part.path}/{name}" if part.path else name
+                    print(f"    {where:<36} {size:>12} xxh3:{digest}")
     return 0
 
 

@@ -29,6 +29,9 @@ class StepNotFoundError(DeltackptError, LookupError):
         self.step = step
         self.committed = committed
 
+    def __reduce__(self):  # errors cross between ranks pickled
+        return (type(self), (self.step, self.committed))
+
 
 class StepExistsError(DeltackptError, ValueError):
     """A save named a step that is already committed, or one not after the latest step."""
@@ -45,6 +48,10 @@ class BrokenChainError(DeltackptError):
         super().__init__(f"chain of step {step} is broken at step {missing_step}: {why}")
         self.step = step
         self.missing_step = missing_step
+        self.why = why
+
+    def __reduce__(self):
+        return (type(self), (self.step, self.missing_step, self.why))
 
 
 class IntegrityError(DeltackptError):
@@ -54,6 +61,10 @@ class IntegrityError(DeltackptError):
         super().__init__(f"step {step}: chunk {key} is corrupt: {why}")
         self.step = step
         self.key = key
+        self.why = why
+
+    def __reduce__(self):
+        return (type(self), (self.step, self.key, self.why))
 
 
 class MissingChunkError(IntegrityError):
@@ -63,6 +74,9 @@ class MissingChunkError(IntegrityError):
         DeltackptError.__init__(self, f"step {step}: chunk {key} is missing")
         self.step = step
         self.key = key
+
+    def __reduce__(self):
+        return (type(self), (self.step, self.key))
 
 
 class StateError(DeltackptError, ValueError):
@@ -85,6 +99,9 @@ class KeyMismatchError(StateError, KeyError):
         self.missing = missing
         self.unexpected = unexpected
 
+    def __reduce__(self):
+        return (type(self), (self.missing, self.unexpected))
+
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])
 
@@ -95,3 +112,21 @@ class DtypeMismatchError(StateError, TypeError):
 
 class ShapeMismatchError(StateError):
     """A restore target's shape differs from the saved one."""
+
+
+class CheckpointAborted(DeltackptError):
+    """A save or restore failed on one or more ranks; every rank raises this, nothing was committed.
+
+    Attributes:
+        failures: by rank (-1 when the failing rank is unknown: a dead or hung peer), the phase
+            and the error.
+    """
+
+    def __init__(self, failures: dict[int, tuple[str, str]]):
+        lines = "; ".join(f"rank {r if r >= 0 else '?'} in {phase}: {err}"
+                          for r, (phase, err) in sorted(failures.items()))
+        super().__init__(f"aborted on {len(failures)} rank(s): {lines}")
+        self.failures = failures
+
+    def __reduce__(self):
+        return (type(self), (self.failures,))

@@ -13,11 +13,44 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from . import dtypes
-from .errors import ManifestError
+from .errors import ManifestError, StateError
+from .planner import check_tiling
+from .sharding import Box
 
 FORMAT = 1
 KINDS = ("base", "delta")
 ENCODINGS = ("full", "rows", "chunks")
+
+
+@dataclass(frozen=True)
+class PartRecord:
+    """One part of a tensor in one step: a box of the global tensor, written by one rank.
+
+    Attributes:
+        offset: the box's global offset.
+        shape: the box's shape.
+        path: the part's folder under the tensor's folder (``""``: the tensor's folder itself,
+            used when one part covers the whole tensor; else ``"p<i>"``).
+        chunk_shape: the chunk shape of the stored array (of ``rows`` for ``"rows"``).
+        changed: rows written (``"full"``, ``"rows"``) or chunks written (``"chunks"``).
+        chunks: every file written, by key relative to the part's folder, as
+            ``[size_in_bytes, xxh3_64_hex]``.
+    """
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    path: str
+    chunk_shape: tuple[int, ...]
+    changed: int
+    chunks: dict[str, tuple[int, str]] = field(default_factory=dict)
+
+    @property
+    def box(self) -> Box:
+        return Box(self.offset, self.shape)
+
+    @property
+    def nbytes_written(self) -> int:
+        return sum(size for size, _ in self.chunks.values())
 
 
 @dataclass(frozen=True)
@@ -27,25 +60,25 @@ class TensorRecord:
     Attributes:
         dtype: torch dtype name (``"bfloat16"``).
         shape: global shape.
-        encoding: ``"full"`` (the whole tensor, one zarr array chunked by rows), ``"rows"``
-            (arrays ``ids`` and ``rows``: sorted global row ids and those rows) or ``"chunks"``
-            (a flat zarr array of which only the changed chunks were written).
-        chunk_shape: the chunk shape of the stored array (of ``rows`` for ``"rows"``).
-        changed: rows written (``"full"``, ``"rows"``) or chunks written (``"chunks"``).
-        chunks: every chunk file written, by key relative to the tensor's folder, as
-            ``[size_in_bytes, xxh3_64_hex]``.
+        encoding: ``"full"`` (each part whole, one zarr array chunked by rows), ``"rows"``
+            (per part, arrays ``ids`` and ``rows``: sorted global row ids and those rows,
+            restricted to the part's columns) or ``"chunks"`` (per part, a flat zarr array of
+            which only the changed chunks were written).
+        parts: the parts, sorted by offset; a base's parts tile the tensor.
     """
 
     dtype: str
     shape: tuple[int, ...]
     encoding: str
-    chunk_shape: tuple[int, ...]
-    changed: int
-    chunks: dict[str, tuple[int, str]] = field(default_factory=dict)
+    parts: tuple[PartRecord, ...]
+
+    @property
+    def changed(self) -> int:
+        return sum(p.changed for p in self.parts)
 
     @property
     def nbytes_written(self) -> int:
-        return sum(size for size, _ in self.chunks.values())
+        return sum(p.nbytes_written for p in self.parts)
 
 
 @dataclass(frozen=True)
@@ -176,7 +209,7 @@ def _check_tree(node: Any, tensors: dict[str, TensorRecord], where: str, depth: 
         raise ManifestError(f"{where}: a node must be an object with one field, got {node!r:.80}")
     (kind, body), = node.items()
     if kind == "tensor":
-        if body not in tensors:
+        if not isinstance(body, str) or body not in tensors:
             raise ManifestError(f"{where}: tensor {body!r:.80} is not in 'tensors'")
     elif kind == "float":
         if body not in ("nan", "inf", "-inf"):
@@ -205,16 +238,57 @@ def _check_tree(node: Any, tensors: dict[str, TensorRecord], where: str, depth: 
 def _parse_tensor(rec: Any, where: str) -> TensorRecord:
     if not isinstance(rec, dict):
         raise ManifestError(f"{where}: must be a JSON object")
-    shape = _field(rec, "shape", list, where)
-    chunk_shape = _field(rec, "chunk_shape", list, where)
-    for dims, name in ((shape, "shape"), (chunk_shape, "chunk_shape")):
-        if any(not isinstance(d, int) or isinstance(d, bool) or not 0 <= d < 2**62 for d in dims):
-            raise ManifestError(f"{where}: field {name!r} has a bad value {dims!r:.80}")
+    shape = _dims(rec, "shape", where)
     if math.prod(shape) >= 2**62:
         raise ManifestError(f"{where}: shape {shape} is too large")
     encoding = _field(rec, "encoding", str, where)
     if encoding not in ENCODINGS:
         raise ManifestError(f"{where}: field 'encoding' must be one of {ENCODINGS}, got {encoding!r}")
+    dtype = _field(rec, "dtype", str, where)
+    if dtype not in dtypes.NAMES:
+        raise ManifestError(f"{where}: unknown dtype {dtype!r:.40}")
+    parts = tuple(
+        _parse_part(p, shape, encoding, f"{where} part {i}")
+        for i, p in enumerate(_field(rec, "parts", list, where))
+    )
+    if len({p.path for p in parts}) != len(parts) or ("" in {p.path for p in parts} and len(parts) > 1):
+        raise ManifestError(f"{where}: part paths must be distinct, and '' only for a single part")
+    if encoding == "full":
+        try:
+            check_tiling(where, tuple(shape), [p.box for p in parts])
+        except StateError as e:
+            raise ManifestError(str(e)) from None
+    return TensorRecord(dtype=dtype, shape=tuple(shape), encoding=encoding, parts=parts)
+
+
+def _dims(doc: dict[str, Any], name: str, where: str) -> tuple[int, ...]:
+    dims = _field(doc, name, list, where)
+    if any(not isinstance(d, int) or isinstance(d, bool) or not 0 <= d < 2**62 for d in dims):
+        raise ManifestError(f"{where}: field {name!r} has a bad value {dims!r:.80}")
+    return tuple(dims)
+
+
+def _parse_part(rec: Any, shape: tuple[int, ...], encoding: str, where: str) -> PartRecord:
+    if not isinstance(rec, dict):
+        raise ManifestError(f"{where}: must be a JSON object")
+    offset, pshape = _dims(rec, "offset", where), _dims(rec, "shape", where)
+    chunk_shape = _dims(rec, "chunk_shape", where)
+    path = _field(rec, "path", str, where)
+    if path and (path[0] != "p" or not path[1:].isdigit()):
+        raise ManifestError(f"{where}: field 'path' has a bad value {path!r:.40}")
+    if not len(offset) == len(pshape) == len(shape) or any(
+        o + n > s for o, n, s in zip(offset, pshape, shape)
+    ):
+        raise ManifestError(f"{where}: box at {list(offset)} of {list(pshape)} is outside {list(shape)}")
+    changed = _count(rec, "changed", where)
+    fits = {
+        "full": len(chunk_shape) == len(pshape),
+        "rows": len(chunk_shape) == len(pshape) >= 1 and changed <= pshape[0],
+        "chunks": len(chunk_shape) == 1,
+    }[encoding]
+    if not fits or any(d < 1 for d in chunk_shape):
+        raise ManifestError(f"{where}: chunk_shape {list(chunk_shape)} does not fit shape "
+                            f"{list(pshape)} and encoding {encoding!r}")
     chunks = {}
     for key, entry in _field(rec, "chunks", dict, where).items():
         ok = (
@@ -229,23 +303,4 @@ def _parse_tensor(rec: Any, where: str) -> TensorRecord:
         if not ok or ".." in key.split("/") or key.startswith("/"):
             raise ManifestError(f"{where}: chunk {key!r} has a bad entry {entry!r:.80}")
         chunks[key] = (entry[0], entry[1])
-    dtype = _field(rec, "dtype", str, where)
-    if dtype not in dtypes.NAMES:
-        raise ManifestError(f"{where}: unknown dtype {dtype!r:.40}")
-    changed = _count(rec, "changed", where)
-    rank_ok = {
-        "full": len(chunk_shape) == len(shape),
-        "rows": len(chunk_shape) == len(shape) >= 1 and changed <= shape[0],
-        "chunks": len(chunk_shape) == 1,
-    }[encoding]
-    if not rank_ok or any(d < 1 for d in chunk_shape):
-        raise ManifestError(f"{where}: chunk_shape {chunk_shape} does not fit shape {shape} "
-                            f"and encoding {encoding!r}")
-    return TensorRecord(
-        dtype=dtype,
-        shape=tuple(shape),
-        encoding=encoding,
-        chunk_shape=tuple(chunk_shape),
-        changed=changed,
-        chunks=chunks,
-    )
+    return PartRecord(offset, pshape, path, chunk_shape, changed, chunks)

@@ -1,10 +1,11 @@
-"""Reading a step: the base of its chain, then every delta in order, into tensors.
+"""Reading a step: the base of its chain, then every delta in order, into a box of a tensor.
 
-Every chunk read is checked against the size and xxh3-64 checksum in its commit record before its
-bytes are used, so a restore never returns corrupt data. Chunks of one tensor and step are read in
-parallel; steps are replayed in order. Whole-chunk reads land straight in the destination tensor;
-edge chunks, coded chunks and delta rows go through the staging pool, which bounds the memory a
-restore adds to the tensors it fills.
+A reader fills a destination box (a rank's shard, or the whole tensor) and reads only the parts,
+chunks and rows that intersect it. Every chunk read is checked against the size and xxh3-64
+checksum in its commit record before its bytes are used, so a restore never returns corrupt data.
+Chunks of one tensor and step are read in parallel; steps are replayed in order. Whole-chunk reads
+land straight in the destination; edge chunks, coded chunks, partial chunks and delta rows go
+through the staging pool, which bounds the memory a restore adds to the tensors it fills.
 """
 
 from __future__ import annotations
@@ -18,45 +19,25 @@ import xxhash
 
 from . import dtypes
 from .errors import IntegrityError, MissingChunkError
-from .manifest import Manifest, TensorRecord
+from .manifest import Manifest, PartRecord, TensorRecord
+from .sharding import Box
 from .staging import StagingPool
 from .storage import Storage
 from .store import STEPS
-from .writer import chunk_key, codec_for
+from .writer import chunk_key, codec_for, part_folder
+
+Job = Callable[[], None]
 
 
-def chunk_path(m: Manifest, key: str, name: str) -> str:
-    return f"{STEPS}/{m.attempt}/{key}/{name}"
+def chunk_path(m: Manifest, key: str, part: PartRecord, name: str) -> str:
+    return f"{STEPS}/{m.attempt}/{part_folder(key, part.path)}/{name}"
 
 
-def fetch(storage: Storage, m: Manifest, key: str, name: str, into: torch.Tensor) -> None:
-    """Reads chunk ``name`` of tensor ``key`` of step ``m`` into ``into`` (uint8, exactly its size)
-    and checks it against the record.
-
-    Raises:
-        MissingChunkError: the record lists no such chunk, or the file is gone.
-        IntegrityError: the file's size or checksum differs from the record.
-    """
-    path = chunk_path(m, key, name)
-    entry = m.tensors[key].chunks.get(name)
-    if entry is None:
-        raise MissingChunkError(m.step, path)
-    size, digest = entry
-    try:
-        got = storage.read_into(path, memoryview(into.numpy()))
-    except FileNotFoundError:
-        raise MissingChunkError(m.step, path) from None
-    if got != size:
-        raise IntegrityError(m.step, path, f"{got} bytes on disk, the record says {size}")
-    if xxhash.xxh3_64_hexdigest(memoryview(into.numpy())) != digest:
-        raise IntegrityError(m.step, path, "checksum mismatch")
-
-
-def stored_size(storage: Storage, m: Manifest, key: str, name: str) -> int:
+def stored_size(storage: Storage, m: Manifest, key: str, part: PartRecord, name: str) -> int:
     """The recorded size of a chunk, once the file is known to have it (so no allocation is
     driven by a number read from a damaged record)."""
-    path = chunk_path(m, key, name)
-    entry = m.tensors[key].chunks.get(name)
+    path = chunk_path(m, key, part, name)
+    entry = part.chunks.get(name)
     if entry is None:
         raise MissingChunkError(m.step, path)
     size = storage.size(path)
@@ -65,6 +46,35 @@ def stored_size(storage: Storage, m: Manifest, key: str, name: str) -> int:
     if size != entry[0]:
         raise IntegrityError(m.step, path, f"{size} bytes on disk, the record says {entry[0]}")
     return size
+
+
+def fetch(storage: Storage, m: Manifest, key: str, part: PartRecord, name: str,
+          into: torch.Tensor) -> None:
+    """Reads chunk ``name`` of a part into ``into`` (uint8, exactly the recorded size) and checks
+    it against the record.
+
+    Raises:
+        MissingChunkError: the record lists no such chunk, or the file is gone.
+        IntegrityError: the file's size or checksum differs from the record.
+    """
+    path = chunk_path(m, key, part, name)
+    entry = part.chunks.get(name)
+    if entry is None:
+        raise MissingChunkError(m.step, path)
+    size, digest = entry
+    view = memoryview(into.numpy())
+    try:
+        got = storage.read_into(path, view)
+    except FileNotFoundError:
+        raise MissingChunkError(m.step, path) from None
+    if got != size:
+        raise IntegrityError(m.step, path, f"{got} bytes on disk, the record says {size}")
+    if xxhash.xxh3_64_hexdigest(view) != digest:
+        raise IntegrityError(m.step, path, "checksum mismatch")
+
+
+def whole(shape: tuple[int, ...]) -> Box:
+    return Box((0,) * len(shape), tuple(shape))
 
 
 class ChainReader:
@@ -77,26 +87,33 @@ class ChainReader:
         executor: the I/O threads.
     """
 
-    def __init__(
-        self, storage: Storage, chain: list[Manifest], pool: StagingPool, executor: Executor
-    ):
+    def __init__(self, storage: Storage, chain: list[Manifest], pool: StagingPool, executor: Executor):
         self._storage = storage
         self._chain = chain
         self._pool = pool
         self._executor = executor
 
-    def read(self, key: str, dest: torch.Tensor) -> None:
-        """Fills ``dest`` (CPU, contiguous, of the recorded dtype and shape) with ``key``'s value."""
+    def read(self, key: str, dest: torch.Tensor, box: Box | None = None) -> None:
+        """Fills ``dest`` (CPU, contiguous, of the recorded dtype) with the box ``box`` (default:
+        the whole tensor) of ``key``'s value."""
+        box = box or whole(tuple(dest.shape))
         for m in self._chain:
             rec = m.tensors.get(key)
             if rec is None:
                 raise IntegrityError(m.step, key, "the tensor is missing from this step's record")
-            if rec.shape != tuple(dest.shape) or dtypes.from_name(rec.dtype) != dest.dtype:
+            fits = len(rec.shape) == len(box.shape) and (
+                not box.numel or whole(rec.shape).intersect(box) == box)
+            if dtypes.from_name(rec.dtype) != dest.dtype or not fits:
                 raise IntegrityError(m.step, key, "dtype or shape differs along the chain")
-            jobs = {"full": self._full, "rows": self._rows, "chunks": self._chunks}[rec.encoding]
-            self._run(jobs(m, key, rec, dest))
+            jobs: list[Job] = []
+            for part in rec.parts:
+                inter = part.box.intersect(box)
+                if inter is not None and inter.numel:
+                    make = {"full": self._full, "rows": self._rows, "chunks": self._chunks}[rec.encoding]
+                    jobs += make(m, key, rec, part, inter, dest, box)
+            self._run(jobs)
 
-    def _run(self, jobs: list[Callable[[], None]]) -> None:
+    def _run(self, jobs: list[Job]) -> None:
         futures: list[Future[None]] = [self._executor.submit(job) for job in jobs]
         error = None
         for f in futures:
@@ -107,94 +124,124 @@ class ChainReader:
         if error is not None:
             raise error
 
-    def _staged(self, m: Manifest, key: str, name: str, decoded_bytes: int, use: Callable) -> None:
-        """Reads a chunk through a staging buffer, decodes it if coded, and hands it to ``use``."""
-        rec = m.tensors[key]
-        buf = self._pool.acquire(stored_size(self._storage, m, key, name))
+    def _staged(self, m: Manifest, key: str, part: PartRecord, name: str, dtype: torch.dtype,
+                decoded_bytes: int, use: Callable[[torch.Tensor], None]) -> None:
+        """Reads a chunk through a staging buffer, decodes it if coded, and hands the uint8 bytes
+        to ``use``."""
+        buf = self._pool.acquire(stored_size(self._storage, m, key, part, name))
         try:
-            fetch(self._storage, m, key, name, buf)
-            codec = codec_for(torch.int64 if name.startswith("ids/") else dtypes.from_name(rec.dtype))
-            if codec is not None:
-                raw = np.frombuffer(codec.decode(buf.numpy()), np.uint8)
-                if raw.nbytes != decoded_bytes:
-                    raise IntegrityError(m.step, chunk_path(m, key, name), "decodes to a wrong size")
-                use(torch.from_numpy(raw.copy()))
-            else:
+            fetch(self._storage, m, key, part, name, buf)
+            codec = codec_for(dtype)
+            if codec is None:
                 use(buf)
+                return
+            raw = np.frombuffer(codec.decode(buf.numpy()), np.uint8)
+            if raw.nbytes != decoded_bytes:
+                raise IntegrityError(m.step, chunk_path(m, key, part, name), "decodes to a wrong size")
+            use(torch.from_numpy(raw.copy()))
         finally:
             self._pool.release(buf)
 
-    def _full(self, m: Manifest, key: str, rec: TensorRecord, dest: torch.Tensor) -> list[Callable]:
-        rows = dest.shape[0] if dest.dim() else 1
-        if not dest.numel():
-            return []
-        flat = dest.reshape(-1).view(torch.uint8).reshape(rows, -1)
-        cr = rec.chunk_shape[0] if rec.chunk_shape else 1
-        raw = codec_for(dest.dtype) is None
-        jobs = []
-        for i in range(-(-rows // cr)):
-            lo, hi = i * cr, min(rows, (i + 1) * cr)
+    def _full(self, m: Manifest, key: str, rec: TensorRecord, part: PartRecord, inter: Box,
+              dest: torch.Tensor, box: Box) -> list[Job]:
+        dtype = dest.dtype
+        if not dest.dim():
+            size = dest.element_size()
+            return [lambda: self._staged(m, key, part, "c", dtype, size,
+                                         lambda b: dest.view(1).view(torch.uint8).copy_(b[:size]))]
+        prows = part.shape[0]
+        cr = part.chunk_shape[0]
+        rest = part.shape[1:]
+        row_bytes = int(np.prod(rest, dtype=np.int64)) * dest.element_size()
+        r0 = inter.offset[0] - part.offset[0]
+        r1 = r0 + inter.shape[0]
+        # Columns of the intersection within the part and within the destination.
+        src_cols = tuple(slice(o - p, o - p + n) for o, n, p in zip(inter.offset[1:], inter.shape[1:], part.offset[1:]))
+        dst_cols = tuple(slice(o - d, o - d + n) for o, n, d in zip(inter.offset[1:], inter.shape[1:], box.offset[1:]))
+        same_cols = part.offset[1:] == box.offset[1:] and rest == box.shape[1:]
+        raw = codec_for(dtype) is None
+        dest_bytes = dest.reshape(dest.shape[0], -1).view(torch.uint8) if dest.numel() else None
+        jobs: list[Job] = []
+        for i in range(r0 // cr, -(-r1 // cr)):
+            lo, hi = i * cr, min(prows, (i + 1) * cr)
+            a, b = max(lo, r0), min(hi, r1)
             name = chunk_key(i, dest.dim())
-            target = flat[lo:hi].reshape(-1)
-            if raw and hi - lo == cr:
-                jobs.append(lambda n=name, t=target: fetch(self._storage, m, key, n, t))
-            else:
-                size = cr * flat.shape[1]
-                jobs.append(
-                    lambda n=name, t=target, s=size: self._staged(
-                        m, key, n, s, lambda b, t=t: t.copy_(b[: t.numel()])
-                    )
-                )
+            d0 = part.offset[0] + a - box.offset[0]
+            if raw and same_cols and (a, b) == (lo, hi) and hi - lo == cr:
+                target = dest_bytes[d0 : d0 + (b - a)].reshape(-1)
+                jobs.append(lambda n=name, t=target: fetch(self._storage, m, key, part, n, t))
+                continue
+
+            def copy(buf: torch.Tensor, lo=lo, a=a, b=b, d0=d0) -> None:
+                rows = buf[: cr * row_bytes].view(dtype).view(cr, *rest)
+                dest[(slice(d0, d0 + b - a), *dst_cols)] = rows[(slice(a - lo, b - lo), *src_cols)]
+
+            jobs.append(lambda n=name, c=copy: self._staged(m, key, part, n, dtype, cr * row_bytes, c))
         return jobs
 
-    def _rows(self, m: Manifest, key: str, rec: TensorRecord, dest: torch.Tensor) -> list[Callable]:
-        n, cr = rec.changed, rec.chunk_shape[0]
-        flat = dest.reshape(dest.shape[0], -1)
-        row_bytes = flat.shape[1] * dest.element_size()
+    def _rows(self, m: Manifest, key: str, rec: TensorRecord, part: PartRecord, inter: Box,
+              dest: torch.Tensor, box: Box) -> list[Job]:
+        n, cr = part.changed, part.chunk_shape[0]
+        rest = part.shape[1:]
+        row_bytes = int(np.prod(rest, dtype=np.int64)) * dest.element_size()
+        # The ids are small (8 bytes a row): read them all here, then only the rows needed.
+        pieces = []
+        for i in range(-(-n // cr)):
+            count = min(n, (i + 1) * cr) - i * cr
+            self._staged(m, key, part, f"ids/{chunk_key(i, 1)}", torch.int64, cr * 8,
+                         lambda b, c=count: pieces.append(b.view(torch.int64)[:c].clone()))
+        ids = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
+        bad = (ids < part.offset[0]) | (ids >= part.offset[0] + part.shape[0])
+        bad[1:] |= ids[1:] <= ids[:-1]
+        if bool(bad.any()):
+            raise IntegrityError(m.step, chunk_path(m, key, part, "ids"),
+                                 "row ids outside the part or not strictly increasing")
+        p0 = int(torch.searchsorted(ids, inter.offset[0]))
+        p1 = int(torch.searchsorted(ids, inter.offset[0] + inter.shape[0]))
+        src_cols = tuple(slice(o - p, o - p + k) for o, k, p in zip(inter.offset[1:], inter.shape[1:], part.offset[1:]))
+        dst_cols = tuple(slice(o - d, o - d + k) for o, k, d in zip(inter.offset[1:], inter.shape[1:], box.offset[1:]))
+        jobs: list[Job] = []
+        for j in range(p0 // cr, -(-p1 // cr)):
+            lo = j * cr
+            a, b = max(lo, p0), min(lo + cr, p1)
+            local = ids[a:b] - box.offset[0]
 
-        def job(i: int) -> None:
-            lo, hi = i * cr, min(n, (i + 1) * cr)
-            ids_box: list[torch.Tensor] = []
-            self._staged(
-                m, key, f"ids/{chunk_key(i, 1)}", cr * 8,
-                lambda b: ids_box.append(b.view(torch.int64)[: hi - lo].clone()),
-            )
-            ids = ids_box[0]
-            bad = (ids < 0) | (ids >= dest.shape[0])
-            if hi - lo > 1:
-                bad[1:] |= ids[1:] <= ids[:-1]
-            if bool(bad.any()):
-                raise IntegrityError(m.step, chunk_path(m, key, f"ids/{chunk_key(i, 1)}"),
-                                     "row ids out of range or not strictly increasing")
-            self._staged(
-                m, key, f"rows/{chunk_key(i, dest.dim())}", cr * row_bytes,
-                lambda b: flat.index_copy_(
-                    0, ids, b[: (hi - lo) * row_bytes].view(dest.dtype).view(hi - lo, -1)
-                ),
-            )
+            def copy(buf: torch.Tensor, lo=lo, a=a, b=b, local=local) -> None:
+                rows = buf[: cr * row_bytes].view(dest.dtype).view(cr, *rest)
+                dest[(local, *dst_cols)] = rows[(slice(a - lo, b - lo), *src_cols)]
 
-        return [lambda i=i: job(i) for i in range(-(-n // cr))]
+            jobs.append(lambda j=j, c=copy: self._staged(
+                m, key, part, f"rows/{chunk_key(j, dest.dim())}", dest.dtype, cr * row_bytes, c))
+        return jobs
 
-    def _chunks(self, m: Manifest, key: str, rec: TensorRecord, dest: torch.Tensor) -> list[Callable]:
-        (ce,) = rec.chunk_shape
+    def _chunks(self, m: Manifest, key: str, rec: TensorRecord, part: PartRecord, inter: Box,
+                dest: torch.Tensor, box: Box) -> list[Job]:
+        (ce,) = part.chunk_shape
         itemsize = dest.element_size()
+        pstart = part.offset[0] if part.offset else 0
+        pn = part.box.numel
+        i0 = (inter.offset[0] if inter.offset else 0) - pstart  # within the part
+        i1 = i0 + inter.numel
+        dstart = box.offset[0] if box.offset else 0
         flat = dest.reshape(-1).view(torch.uint8)
         raw = codec_for(dest.dtype) is None
-        jobs = []
-        for name in rec.chunks:
+        jobs: list[Job] = []
+        for name in part.chunks:
             if name == "zarr.json":
                 continue
-            index = int(name[2:]) if name[:2] == "c/" and name[2:].isdigit() else -1
-            lo, hi = index * ce * itemsize, min(dest.numel(), (index + 1) * ce) * itemsize
-            if index < 0 or not 0 <= lo < hi:
-                raise IntegrityError(m.step, chunk_path(m, key, name), "chunk index out of range")
-            target = flat[lo:hi]
-            if raw and hi - lo == ce * itemsize:
-                jobs.append(lambda n=name, t=target: fetch(self._storage, m, key, n, t))
+            k = int(name[2:]) if name[:2] == "c/" and name[2:].isdigit() else -1
+            lo, hi = k * ce, min(pn, (k + 1) * ce)
+            if k < 0 or lo >= pn:
+                raise IntegrityError(m.step, chunk_path(m, key, part, name), "chunk index out of range")
+            a, b = max(lo, i0), min(hi, i1)
+            if a >= b:
+                continue
+            d = (pstart + a - dstart) * itemsize
+            target = flat[d : d + (b - a) * itemsize]
+            if raw and (a, b) == (lo, hi) and hi - lo == ce:
+                jobs.append(lambda n=name, t=target: fetch(self._storage, m, key, part, n, t))
             else:
-                jobs.append(
-                    lambda n=name, t=target: self._staged(
-                        m, key, n, ce * itemsize, lambda b, t=t: t.copy_(b[: t.numel()])
-                    )
-                )
+                off = (a - lo) * itemsize
+                jobs.append(lambda n=name, t=target, off=off: self._staged(
+                    m, key, part, n, dest.dtype, ce * itemsize, lambda buf: t.copy_(buf[off : off + t.numel()])))
         return jobs

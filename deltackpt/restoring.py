@@ -16,6 +16,7 @@ from torch import nn
 from . import dtypes, statetree
 from .errors import DtypeMismatchError, KeyMismatchError, ShapeMismatchError, StateError
 from .manifest import Manifest
+from .sharding import Shard, as_shard, is_dtensor
 
 
 @dataclass
@@ -23,12 +24,15 @@ class RestorePlan:
     """Tensors to fill in place, and what to do once every tensor is read.
 
     Attributes:
-        targets: live tensors to fill, by flat key.
+        targets: live tensors (as this rank's shards) to fill, by flat key.
+        covered: every saved tensor this rank restores: the targets, and tensors loaded whole
+            for an object's ``load_state_dict``.
         steps: callbacks run with every restored tensor by key (setting plain values, loading
             optimizers).
     """
 
-    targets: dict[str, torch.Tensor] = field(default_factory=dict)
+    targets: dict[str, Shard] = field(default_factory=dict)
+    covered: set[str] = field(default_factory=set)
     steps: list[Callable[[Mapping[str, torch.Tensor]], None]] = field(default_factory=list)
 
     def finish(self, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -36,8 +40,14 @@ class RestorePlan:
             step(tensors)
 
 
-def plan_restore(state: Mapping[str, Any], manifest: Manifest) -> RestorePlan:
+def plan_restore(state: Mapping[str, Any], manifest: Manifest, *, partial: bool = False) -> RestorePlan:
     """Checks ``state`` against ``manifest`` and plans how to restore into it.
+
+    Args:
+        state: the live state.
+        manifest: the step's record.
+        partial: allow saved entries missing from ``state`` (on several ranks, each may hold
+            only some tensors; the caller checks that together they hold all).
 
     Raises:
         KeyMismatchError: keys missing or unexpected, anywhere in the nesting.
@@ -50,7 +60,7 @@ def plan_restore(state: Mapping[str, Any], manifest: Manifest) -> RestorePlan:
     missing: list[str] = []
     unexpected: list[str] = []
     _walk(state, manifest.tree, "", manifest, plan, missing, unexpected)
-    if missing or unexpected:
+    if unexpected or (missing and not partial):
         raise KeyMismatchError(missing, unexpected)
     return plan
 
@@ -59,16 +69,20 @@ def _walk(live: Any, node: dict[str, Any], path: str, m: Manifest, plan: Restore
           missing: list[str], unexpected: list[str]) -> None:
     (kind, body), = node.items()
     where = path or "<root>"
-    if isinstance(live, torch.Tensor):
+    if isinstance(live, (torch.Tensor, Shard)):
         if kind != "tensor":
             raise StateError(f"{where}: the target is a tensor, the checkpoint holds a {kind}")
         rec = m.tensors[body]
+        shard = as_shard(live, where)
         saved = dtypes.from_name(rec.dtype)
-        if live.dtype != saved:
-            raise DtypeMismatchError(f"{where}: target dtype {live.dtype} != saved {saved}")
-        if tuple(live.shape) != rec.shape:
-            raise ShapeMismatchError(f"{where}: target shape {tuple(live.shape)} != saved {rec.shape}")
-        plan.targets[body] = live.detach()
+        if shard.local.dtype != saved:
+            raise DtypeMismatchError(f"{where}: target dtype {shard.local.dtype} != saved {saved}")
+        if shard.global_shape != rec.shape:
+            what = "global shape" if isinstance(live, Shard) or is_dtensor(live) else "shape"
+            raise ShapeMismatchError(f"{where}: target {what} {shard.global_shape} != saved {rec.shape}")
+        plan.targets[body] = Shard(shard.local.detach(), global_shape=shard.global_shape,
+                                   global_offset=shard.global_offset)
+        plan.covered.add(body)
         return
     if isinstance(live, nn.Module):
         sd = live.state_dict()
@@ -78,6 +92,7 @@ def _walk(live: Any, node: dict[str, Any], path: str, m: Manifest, plan: Restore
         return
     if statetree.is_stateful(live) and not isinstance(live, Mapping):
         # Optimizers: the live state may be empty (not stepped yet), so load the saved one whole.
+        plan.covered.update(statetree.tensor_keys(node))
         plan.steps.append(lambda ts: live.load_state_dict(statetree.build(node, ts)))
         return
     if isinstance(live, MutableMapping):
@@ -104,11 +119,13 @@ def _walk(live: Any, node: dict[str, Any], path: str, m: Manifest, plan: Restore
 def _child(parent: Any, k: Any, node: dict[str, Any], path: str, m: Manifest, plan: RestorePlan,
            missing: list[str], unexpected: list[str]) -> None:
     live = parent[k]
-    mutable = isinstance(live, (torch.Tensor, nn.Module, MutableMapping, MutableSequence))
+    mutable = isinstance(live, (torch.Tensor, Shard, nn.Module, MutableMapping, MutableSequence))
     if mutable or statetree.is_stateful(live):
         _walk(live, node, path, m, plan, missing, unexpected)
     else:
         # Immutable values (numbers, strings, tuples) are replaced in their container.
+        plan.covered.update(statetree.tensor_keys(node))
+
         def assign(ts: Mapping[str, torch.Tensor]) -> None:
             parent[k] = statetree.build(node, ts)
 

@@ -19,13 +19,15 @@ from typing import Any
 import torch
 
 from .errors import StateError
+from .sharding import Shard, as_shard
 
 
 @dataclass(frozen=True)
 class FlatState:
-    """A state split into its tensors (by flat key) and the JSON skeleton that nests them."""
+    """A state split into its tensors (by flat key, each as this rank's :class:`Shard`) and the
+    JSON skeleton that nests them."""
 
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, Shard]
     tree: dict[str, Any]
 
 
@@ -45,8 +47,8 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
     """Splits ``state`` into tensors and a skeleton.
 
     Args:
-        state: a mapping of tensors, objects with ``state_dict()``, dicts, lists, tuples and
-            JSON scalars, nested.
+        state: a mapping of tensors (plain, :class:`Shard` or DTensor), objects with
+            ``state_dict()``, dicts, lists, tuples and JSON scalars, nested.
 
     Returns:
         The flat state.
@@ -61,18 +63,20 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
     """
     if not isinstance(state, Mapping):
         raise StateError(f"state must be a mapping, got {type(state).__name__}")
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, Shard] = {}
     tree = _node(state, "", tensors)
     return FlatState(tensors, tree)
 
 
-def _node(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    if isinstance(obj, torch.Tensor):
+def _node(obj: Any, path: str, tensors: dict[str, Shard]) -> dict[str, Any]:
+    if isinstance(obj, (torch.Tensor, Shard)):
         if path in tensors:
             raise StateError(f"two entries of the state map to the key {path!r}")
-        if obj.is_sparse or obj.layout != torch.strided:
-            raise StateError(f"{path}: only dense (strided) tensors are supported, got {obj.layout}")
-        tensors[path] = obj.detach()
+        shard = as_shard(obj, path)
+        if shard.local.layout != torch.strided:
+            raise StateError(f"{path}: only dense (strided) tensors are supported, got {shard.local.layout}")
+        tensors[path] = Shard(shard.local.detach(), global_shape=shard.global_shape,
+                              global_offset=shard.global_offset)
         return {"tensor": path}
     if is_stateful(obj) and not isinstance(obj, Mapping):
         return _node(obj.state_dict(), path, tensors)
@@ -96,7 +100,7 @@ def _node(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> dict[str, An
     )
 
 
-def build(node: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> Any:
+def build(node: Mapping[str, Any], tensors: Mapping[str, Any]) -> Any:
     """Rebuilds the nested value of a skeleton node, taking tensors from ``tensors``."""
     (kind, body), = node.items()
     if kind == "tensor":
@@ -124,3 +128,23 @@ def tensor_keys(node: Mapping[str, Any]) -> list[str]:
     if kind in ("list", "tuple"):
         return [k for v in body for k in tensor_keys(v)]
     return []
+
+
+def merge(trees: list[dict[str, Any]]) -> dict[str, Any]:
+    """The union of the skeletons of several ranks (each may hold only some tensors).
+
+    Dicts are merged by key; elsewhere the first tree's node wins, so plain values are taken from
+    the coordinator (the first tree).
+    """
+    first = trees[0]
+    (kind, body), = first.items()
+    if kind != "dict" or len(trees) == 1:
+        return first
+    merged: dict[Any, list[dict[str, Any]]] = {}
+    for tree in trees:
+        (k2, b2), = tree.items()
+        if k2 != "dict":
+            continue
+        for k, child in b2:
+            merged.setdefault(k, []).append(child)
+    return {"dict": [[k, merge(children)] for k, children in merged.items()]}

@@ -7,7 +7,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from .errors import BrokenChainError, DeltackptError, IntegrityError, MissingChunkError
-from .manifest import Manifest
+from .manifest import Manifest, PartRecord
 from .reader import fetch, stored_size
 from .staging import StagingPool
 from .store import Store
@@ -85,12 +85,12 @@ def verify(
 
 def _check_step(store: Store, m: Manifest, pool: StagingPool, executor: Executor,
                 report: VerifyReport, progress: Callable[[int], None]) -> list[Problem]:
-    def check(key: str, name: str, size: int) -> Problem | None:
+    def check(key: str, part: PartRecord, name: str, size: int) -> Problem | None:
         try:
-            stored_size(store.storage, m, key, name)
+            stored_size(store.storage, m, key, part, name)
             buf = pool.acquire(size)
             try:
-                fetch(store.storage, m, key, name, buf)
+                fetch(store.storage, m, key, part, name, buf)
             finally:
                 pool.release(buf)
         except MissingChunkError as e:
@@ -102,10 +102,11 @@ def _check_step(store: Store, m: Manifest, pool: StagingPool, executor: Executor
 
     futures = []
     for key, rec in m.tensors.items():
-        for name, (size, _) in rec.chunks.items():
-            report.chunks += 1
-            report.bytes += size
-            futures.append(executor.submit(check, key, name, size))
+        for part in rec.parts:
+            for name, (size, _) in part.chunks.items():
+                report.chunks += 1
+                report.bytes += size
+                futures.append(executor.submit(check, key, part, name, size))
     found = [p for f in futures if (p := f.result()) is not None]
     return sorted(found, key=lambda p: p.key)
 

@@ -1,15 +1,20 @@
-"""Writing one step's arrays: whole tensors, changed rows, changed dense chunks.
+"""Writing one step's files: array metadata, and the chunks of whole parts, changed rows and
+changed dense chunks.
 
-Chunk files are written by a thread pool; each file's size and xxh3-64 checksum go into the
-commit record. Rows and device data pass through the staging pool; whole CPU tensors are written
-straight from their memory. Edge chunks are padded with zeros to the full chunk shape, as zarr v3
-stores them, so any zarr v3 reader reads the arrays.
+Chunk files are written by a thread pool; each file's size and xxh3-64 checksum are recorded for
+the commit record. Rows and device data pass through the staging pool; whole CPU tensors are
+written straight from their memory. Edge chunks are padded with zeros to the full chunk shape, as
+zarr v3 stores them, so any zarr v3 reader reads the arrays.
+
+The geometry functions are shared by the coordinator (which writes every array's metadata) and
+the rank that writes a part's chunks, so both agree on the chunk grid.
 """
 
 from __future__ import annotations
 
+import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future
 
 import numpy as np
@@ -18,10 +23,11 @@ import xxhash
 from numcodecs import Blosc
 
 from . import dtypes
-from .manifest import TensorRecord
 from .staging import StagingPool
 from .storage import Storage
 from .store import array_doc, group_doc
+
+ChunkMap = dict[str, tuple[int, str]]
 
 
 def rows_per_chunk(rows: int, row_bytes: int, chunk_bytes: int) -> int:
@@ -32,9 +38,31 @@ def rows_per_chunk(rows: int, row_bytes: int, chunk_bytes: int) -> int:
     return -(-rows // -(-rows // target))
 
 
+def dense_chunk_elems(numel: int, itemsize: int, dense_chunk_bytes: int) -> int:
+    """Elements per dense chunk: one chunk for a part smaller than a chunk, so a small tensor's
+    delta is not padded to the full chunk size."""
+    return max(1, min(numel, dense_chunk_bytes // itemsize))
+
+
+def chunk_shape(encoding: str, shape: tuple[int, ...], itemsize: int, changed: int,
+                chunk_bytes: int, dense_chunk_bytes: int) -> tuple[int, ...]:
+    """The chunk shape of a part's array (of its ``rows`` array for ``"rows"``)."""
+    if encoding == "chunks":
+        return (dense_chunk_elems(math.prod(shape), itemsize, dense_chunk_bytes),)
+    if not shape:
+        return ()
+    row_bytes = math.prod(shape[1:]) * itemsize
+    rows = shape[0] if encoding == "full" else changed
+    return (rows_per_chunk(rows, row_bytes, chunk_bytes), *shape[1:])
+
+
 def chunk_key(index: int, ndim: int) -> str:
     """The zarr v3 default key of chunk ``index`` along dimension 0 (``c`` for a 0-d array)."""
     return "/".join(["c", str(index)] + ["0"] * (ndim - 1)) if ndim else "c"
+
+
+def part_folder(key: str, path: str) -> str:
+    return f"{key}/{path}" if path else key
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:
@@ -50,107 +78,92 @@ def codec_for(dtype: torch.dtype) -> Blosc | None:
 
 
 class StepWriter:
-    """Writes the arrays of one save attempt under ``folder``; :meth:`finish` collects the records.
+    """Writes files of one save attempt under ``folder``; :meth:`finish` returns what was written.
 
     Args:
         storage: where to write.
         folder: the attempt folder (``steps/ATTEMPT``).
         pool: staging buffers.
         executor: the I/O threads.
-        chunk_bytes: target size of a chunk file.
     """
 
-    def __init__(
-        self,
-        storage: Storage,
-        folder: str,
-        pool: StagingPool,
-        executor: Executor,
-        chunk_bytes: int,
-    ):
+    def __init__(self, storage: Storage, folder: str, pool: StagingPool, executor: Executor):
         self._storage = storage
         self._folder = folder
         self._pool = pool
         self._executor = executor
-        self._chunk_bytes = chunk_bytes
         self._futures: list[Future[None]] = []
-        self._records: dict[str, TensorRecord] = {}
         self._lock = threading.Lock()
-        self._stored: set[str] = set()  # keys with at least one file
+        self.results: dict[tuple[str, str], ChunkMap] = {}
         self.written: list[str] = []  # every file written, for the directory syncs
 
-    # -- whole tensors, changed rows, changed chunks --------------------------------------------
+    # -- metadata (coordinator) ------------------------------------------------------------------
 
-    def full(self, key: str, t: torch.Tensor) -> None:
-        """Writes all of ``t`` as one zarr array of its shape, chunked by rows."""
+    def array(self, key: str, path: str, name: str, shape: tuple[int, ...],
+              chunks: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Writes the zarr.json of the array ``name`` ("" for the part itself) of a part."""
+        doc = array_doc(shape, chunks, dtype)
+        self._submit(key, path, f"{name}/zarr.json" if name else "zarr.json", lambda: [memoryview(doc)])
+
+    def group(self, key: str, path: str) -> None:
+        """Writes the zarr.json of a part that is a group (``ids`` and ``rows`` inside)."""
+        doc = group_doc()
+        self._submit(key, path, "zarr.json", lambda: [memoryview(doc)])
+
+    def groups(self, folders: Iterable[str]) -> None:
+        """Writes group documents for folders (relative to the attempt; "" is the attempt)."""
+        doc = memoryview(group_doc())
+        for g in folders:
+            self._submit_path(f"{self._folder}/{g}/zarr.json" if g else f"{self._folder}/zarr.json",
+                              lambda: [doc], None)
+
+    # -- chunks (the part's writer) -------------------------------------------------------------
+
+    def full(self, key: str, path: str, t: torch.Tensor, chunks: tuple[int, ...]) -> None:
+        """Writes every chunk of ``t`` (a whole part), chunked by rows."""
         rows = t.shape[0] if t.dim() else 1
         flat = t.reshape(rows, -1)
         row_bytes = flat.shape[1] * t.element_size()
-        cr = rows_per_chunk(rows, row_bytes, self._chunk_bytes)
-        chunk_shape = (cr, *t.shape[1:]) if t.dim() else ()
-        self._start(key, t, "full", chunk_shape, rows)
-        self._doc(key, "zarr.json", array_doc(tuple(t.shape), chunk_shape, t.dtype))
+        cr = chunks[0] if chunks else 1
         for i in range(-(-rows // cr) if t.numel() else 0):
             lo, hi = i * cr, min(rows, (i + 1) * cr)
-            self._put(key, chunk_key(i, t.dim()), flat[lo:hi], (cr - (hi - lo)) * row_bytes, t.dtype)
+            self._put(key, path, chunk_key(i, t.dim()), flat[lo:hi], (cr - (hi - lo)) * row_bytes, t.dtype)
 
-    def rows(self, key: str, t: torch.Tensor, ids: torch.Tensor) -> None:
-        """Writes rows ``ids`` (sorted, unique, int64 on CPU) of ``t`` as arrays ``ids``, ``rows``."""
+    def rows(self, key: str, path: str, t: torch.Tensor, ids: torch.Tensor, row_offset: int,
+             chunk_rows: int) -> None:
+        """Writes rows ``ids`` (local, sorted, unique, int64 on CPU) of ``t`` as arrays ``ids``
+        (global ids: ``ids + row_offset``) and ``rows``."""
         n = ids.numel()
         flat = t.reshape(t.shape[0], -1)
         row_bytes = flat.shape[1] * t.element_size()
-        cr = rows_per_chunk(n, row_bytes, self._chunk_bytes)
-        self._start(key, t, "rows", (cr, *t.shape[1:]), n)
-        if n == 0:
-            return
-        self._doc(key, "zarr.json", group_doc())
-        self._doc(key, "ids/zarr.json", array_doc((n,), (cr,), torch.int64))
-        self._doc(key, "rows/zarr.json", array_doc((n, *t.shape[1:]), (cr, *t.shape[1:]), t.dtype))
-        for i in range(-(-n // cr)):
-            lo, hi = i * cr, min(n, (i + 1) * cr)
-            pad_rows = cr - (hi - lo)
+        for i in range(-(-n // chunk_rows)):
+            lo, hi = i * chunk_rows, min(n, (i + 1) * chunk_rows)
+            pad_rows = chunk_rows - (hi - lo)
             part = ids[lo:hi]
-            self._put(key, f"ids/{chunk_key(i, 1)}", part, pad_rows * 8, torch.int64)
+            self._put(key, path, f"ids/{chunk_key(i, 1)}", part + row_offset, pad_rows * 8, torch.int64)
             buf = self._pool.acquire((hi - lo) * row_bytes)
             out = buf.view(t.dtype).view(hi - lo, flat.shape[1])
             if t.device.type == "cpu":
                 torch.index_select(flat, 0, part, out=out)
             else:
                 out.copy_(flat.index_select(0, part.to(t.device)))
-            self._put(
-                key,
-                f"rows/{chunk_key(i, t.dim())}",
-                out,
-                pad_rows * row_bytes,
-                t.dtype,
-                release=lambda b=buf: self._pool.release(b),
-            )
+            self._put(key, path, f"rows/{chunk_key(i, t.dim())}", out, pad_rows * row_bytes, t.dtype,
+                      release=lambda b=buf: self._pool.release(b))
 
-    def chunks(self, key: str, t: torch.Tensor, chunk_ids: Sequence[int], chunk_elems: int) -> None:
+    def chunks(self, key: str, path: str, t: torch.Tensor, chunk_ids: list[int], chunk_elems: int) -> None:
         """Writes chunks ``chunk_ids`` of ``t``'s flat elements (``chunk_elems`` each)."""
         numel = t.numel()
-        self._start(key, t, "chunks", (chunk_elems,), len(chunk_ids))
-        if not chunk_ids:
-            return
-        self._doc(key, "zarr.json", array_doc((numel,), (chunk_elems,), t.dtype))
         flat = t.reshape(-1)
         for c in chunk_ids:
             lo, hi = c * chunk_elems, min(numel, (c + 1) * chunk_elems)
             pad = (chunk_elems - (hi - lo)) * t.element_size()
-            self._put(key, chunk_key(c, 1), flat[lo:hi], pad, t.dtype)
+            self._put(key, path, chunk_key(c, 1), flat[lo:hi], pad, t.dtype)
 
-    def finish(self) -> dict[str, TensorRecord]:
-        """Writes the group documents, waits for every write and returns the records.
+    def finish(self) -> dict[tuple[str, str], ChunkMap]:
+        """Waits for every write and returns the files written per (tensor key, part path).
 
         Raises the first write error, after every write has ended.
         """
-        groups = {self._folder}
-        for key in self._stored:
-            parts = key.split("/")
-            groups.update("/".join([self._folder, *parts[:i]]) for i in range(1, len(parts)))
-        doc = memoryview(group_doc())
-        for g in sorted(groups):
-            self._submit(f"{g}/zarr.json", lambda: [doc], lambda: None, None)
         error = None
         for f in self._futures:
             try:
@@ -159,34 +172,12 @@ class StepWriter:
                 error = error or e
         if error is not None:
             raise error
-        return self._records
+        return self.results
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _start(
-        self, key: str, t: torch.Tensor, encoding: str, chunk_shape: tuple[int, ...], changed: int
-    ) -> None:
-        self._records[key] = TensorRecord(
-            dtype=dtypes.name(t.dtype),
-            shape=tuple(t.shape),
-            encoding=encoding,
-            chunk_shape=chunk_shape,
-            changed=changed,
-            chunks={},
-        )
-
-    def _doc(self, key: str, name: str, doc: bytes) -> None:
-        self._submit(f"{self._folder}/{key}/{name}", lambda: [memoryview(doc)], lambda: None, (key, name))
-
-    def _put(
-        self,
-        key: str,
-        name: str,
-        data: torch.Tensor,
-        pad: int,
-        dtype: torch.dtype,
-        release: Callable[[], None] | None = None,
-    ) -> None:
+    def _put(self, key: str, path: str, name: str, data: torch.Tensor, pad: int, dtype: torch.dtype,
+             release: Callable[[], None] | None = None) -> None:
         """Queues one chunk: ``data`` (rows of a tensor) followed by ``pad`` zero bytes."""
         release = release or (lambda: None)
         if data.device.type != "cpu":
@@ -204,37 +195,32 @@ class StepWriter:
             whole = np.concatenate([np.frombuffer(body, np.uint8), np.zeros(pad, np.uint8)])
             return [memoryview(codec.encode(whole))]
 
-        self._submit(f"{self._folder}/{key}/{name}", parts, release, (key, name))
+        self._submit(key, path, name, parts, release)
 
-    def _submit(
-        self,
-        path: str,
-        parts: Callable[[], list[memoryview]],
-        release: Callable[[], None],
-        record: tuple[str, str] | None,
-    ) -> None:
-        """Queues writing ``path``; ``record`` = (tensor key, chunk name) to list it under."""
-        if record:
-            self._stored.add(record[0])
+    def _submit(self, key: str, path: str, name: str, parts: Callable[[], list[memoryview]],
+                release: Callable[[], None] = lambda: None) -> None:
+        chunks = self.results.setdefault((key, path), {})
 
+        def record(size: int, digest: str) -> None:
+            chunks[name] = (size, digest)
+
+        self._submit_path(f"{self._folder}/{part_folder(key, path)}/{name}", parts, record, release)
+
+    def _submit_path(self, full_path: str, parts: Callable[[], list[memoryview]],
+                     record: Callable[[int, str], None] | None,
+                     release: Callable[[], None] = lambda: None) -> None:
         def job() -> None:
             try:
                 data = parts()
                 h = xxhash.xxh3_64()
                 for p in data:
                     h.update(p)
-                self._storage.write(path, data)
-                size = sum(p.nbytes for p in data)
+                self._storage.write(full_path, data)
                 with self._lock:
                     if record:
-                        self._records[record[0]].chunks[record[1]] = (size, h.hexdigest())
-                    self.written.append(path)
+                        record(sum(p.nbytes for p in data), h.hexdigest())
+                    self.written.append(full_path)
             finally:
                 release()
 
         self._futures.append(self._executor.submit(job))
-
-
-def state_bytes(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-

@@ -45,7 +45,7 @@ def test_show(store, capsys):
     assert code == 0 and "10 -> 20" in out and "model/table" in out and "xxh3:" in out
     code, out, _ = run(capsys, "show", store, "20", "--json")
     doc = json.loads(out)
-    assert doc["chain"] == [10, 20] and doc["tensors"]["model/table"]["changed"] == 1
+    assert doc["chain"] == [10, 20] and doc["tensors"]["model/table"]["parts"][0]["changed"] == 1
 
 
 def test_restore_writes_a_weights_only_file(store, tmp_path, capsys):

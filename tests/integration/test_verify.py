@@ -26,7 +26,7 @@ def store(store_path):
 def chunk_file(path, step: int, key: str, name: str) -> str:
     with Checkpointer(path, create=False) as ckpt:
         m = ckpt.store.manifest(step)
-        assert name in m.tensors[key].chunks
+        assert name in m.tensors[key].parts[0].chunks
         return os.path.join(path, "steps", m.attempt, key, *name.split("/"))
 
 

@@ -1,0 +1,130 @@
+"""The control plane of a save or restore: phases run on every rank, and their outcomes agree.
+
+Each phase runs a local function on every rank, then exchanges (ok, result) or (failed, error)
+with the others, so every rank learns of any rank's failure and raises one
+:class:`CheckpointAborted` listing the failing ranks. The exchange runs on a dedicated gloo group
+with a bounded timeout, so it never blocks on the training group's (possibly NCCL) traffic, and a
+dead or hung peer turns into the same typed error instead of a raw gloo error or a hang. A world
+of one needs no process group and runs the same code.
+
+Call order (every rank, the same sequence): ``Collective(...)`` then, per operation, the same
+phases in the same order.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from .errors import CheckpointAborted, DeltackptError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Collective:
+    """Ranks taking part in checkpoint operations.
+
+    Args:
+        process_group: the ranks to checkpoint with; default: the whole default group when
+            torch.distributed is initialized, else a world of one. A gloo group is used as it is;
+            for another backend a gloo group over the same ranks is created (a collective call).
+        timeout: how long a phase waits for a peer.
+        coordinator_rank: the rank (within the group) that plans and commits.
+    """
+
+    def __init__(self, process_group: Any = None, *, timeout: datetime.timedelta,
+                 coordinator_rank: int = 0):
+        self.group = None
+        self.rank, self.size = 0, 1
+        if process_group is not None or (dist.is_available() and dist.is_initialized()):
+            pg = process_group or dist.group.WORLD
+            if dist.get_backend(pg) == "gloo":
+                self.group = pg
+            else:
+                self.group = dist.new_group(dist.get_process_group_ranks(pg), backend="gloo",
+                                            timeout=timeout)
+            self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        if not 0 <= coordinator_rank < self.size:
+            raise ValueError(f"coordinator_rank must be in [0, {self.size}), got {coordinator_rank}")
+        self.coordinator = coordinator_rank
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == self.coordinator
+
+    def all(self, phase: str, fn: Callable[[], T]) -> list[T]:
+        """Runs ``fn`` on every rank; returns every rank's result, by rank.
+
+        Raises:
+            CheckpointAborted: ``fn`` failed on some rank, or a peer died or timed out.
+            DeltackptError: in a world of one, ``fn``'s own error, unchanged.
+        """
+        outcome = _run(fn)
+        if self.size == 1:
+            if not outcome[0]:
+                raise outcome[1]
+            return [outcome[1]]
+        gathered: list[Any] = [None] * self.size
+        self._exchange(phase, lambda: dist.all_gather_object(gathered, _portable(outcome), group=self.group))
+        return self._results(phase, gathered)
+
+    def one(self, phase: str, fn: Callable[[], T]) -> T:
+        """Runs ``fn`` on the coordinator only and hands its result (or error) to every rank."""
+        outcome = _run(fn) if self.is_coordinator else (True, None)
+        if self.size == 1:
+            if not outcome[0]:
+                raise outcome[1]
+            return outcome[1]
+        box = [_portable(outcome)]
+        src = dist.get_global_rank(self.group, self.coordinator)
+        self._exchange(phase, lambda: dist.broadcast_object_list(box, src=src, group=self.group))
+        ok, value = box[0]
+        if not ok:
+            if isinstance(value, DeltackptError) and not isinstance(value, CheckpointAborted):
+                raise value  # the coordinator's typed error (an unknown step, ...) on every rank
+            raise CheckpointAborted({self.coordinator: (phase, _describe(value))})
+        return value
+
+    def _exchange(self, phase: str, op: Callable[[], None]) -> None:
+        try:
+            op()
+        except Exception as e:  # a dead peer ("Connection reset by peer") or a timeout
+            log.error("checkpoint phase %s failed in the collective: %s", phase, e)
+            raise CheckpointAborted({-1: (phase, f"a peer is unreachable: {e}")}) from e
+
+    def _results(self, phase: str, gathered: list[Any]) -> list[Any]:
+        failures = {r: (phase, _describe(v)) for r, (ok, v) in enumerate(gathered) if not ok}
+        if failures:
+            raise CheckpointAborted(failures)
+        return [v for _, v in gathered]
+
+
+def _run(fn: Callable[[], T]) -> tuple[bool, Any]:
+    try:
+        return True, fn()
+    except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
+        log.debug("checkpoint phase failed locally", exc_info=True)
+        return False, e
+
+
+def _portable(outcome: tuple[bool, Any]) -> tuple[bool, Any]:
+    """Errors cross the wire as themselves when they pickle, else as their text."""
+    ok, value = outcome
+    if ok:
+        return outcome
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(value))
+        return outcome
+    except Exception:  # noqa: BLE001 - any exception type, any pickling failure
+        return False, _describe(value)
+
+
+def _describe(e: Any) -> str:
+    return e if isinstance(e, str) else f"{type(e).__name__}: {e}"

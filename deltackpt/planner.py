@@ -1,0 +1,146 @@
+"""Save planning: every rank's local plan, and the coordinator's global plan.
+
+A local plan lists, per tensor key, the box a rank holds (ranges, never row lists). The global
+plan gives every distinct box of every tensor exactly one writer: replicas (the same box on
+several ranks) are written once, by the holder with the fewest bytes to write so far, largest
+boxes first, which spreads the writes evenly. Validation checks that every tensor's boxes agree
+on dtype and global shape and tile it exactly; it sorts, so it is O(n log n) in the boxes.
+
+The plan is deterministic in its input, so a cached plan stays valid while no rank's local plan
+changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import math
+import pickle
+from dataclasses import dataclass
+
+from .errors import StateError
+from .sharding import Box
+
+
+@dataclass(frozen=True)
+class ItemInfo:
+    """One tensor as one rank holds it."""
+
+    key: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    box: Box
+    itemsize: int
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    """What one rank holds: its tensors' boxes and its state's skeleton."""
+
+    rank: int
+    items: tuple[ItemInfo, ...]
+    tree: dict
+    settings: tuple[int, ...]  # chunk sizes; every rank must use the same
+
+    def digest(self) -> str:
+        return hashlib.sha256(pickle.dumps((self.items, self.tree, self.settings))).hexdigest()
+
+
+@dataclass(frozen=True)
+class PartPlan:
+    """One box of a tensor and the rank that writes it. ``path`` names its folder ("" when the
+    part is the whole tensor)."""
+
+    box: Box
+    writer: int
+    path: str
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    key: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    parts: tuple[PartPlan, ...]
+
+
+@dataclass(frozen=True)
+class GlobalPlan:
+    """Every tensor's parts with their writers, and the merged skeleton."""
+
+    tensors: dict[str, TensorPlan]
+    tree: dict
+
+    def owned(self, rank: int) -> list[tuple[TensorPlan, PartPlan]]:
+        """The parts ``rank`` writes."""
+        return [(t, p) for t in self.tensors.values() for p in t.parts if p.writer == rank]
+
+
+def make_global_plan(local_plans: list[LocalPlan], tree: dict) -> GlobalPlan:
+    """Validates the local plans and assigns one writer to every distinct box.
+
+    Raises:
+        StateError: ranks disagree on a tensor's dtype or global shape, or its boxes overlap or
+            leave a gap.
+    """
+    holders: dict[str, dict[Box, list[int]]] = {}
+    meta: dict[str, ItemInfo] = {}
+    for plan in local_plans:
+        for item in plan.items:
+            first = meta.setdefault(item.key, item)
+            if (first.dtype, first.global_shape) != (item.dtype, item.global_shape):
+                raise StateError(
+                    f"{item.key}: ranks disagree: {first.dtype} {list(first.global_shape)} vs "
+                    f"{item.dtype} {list(item.global_shape)} on rank {plan.rank}"
+                )
+            holders.setdefault(item.key, {}).setdefault(item.box, []).append(plan.rank)
+    for key, boxes in holders.items():
+        check_tiling(key, meta[key].global_shape, list(boxes))
+        if math.prod(meta[key].global_shape):
+            # A rank holding none of a tensor (a 0-row shard) writes nothing.
+            holders[key] = {b: r for b, r in boxes.items() if b.numel}
+    load = {plan.rank: 0 for plan in local_plans}
+    jobs = sorted(
+        ((box.numel * meta[key].itemsize, key, box) for key, boxes in holders.items() for box in boxes),
+        key=lambda j: (-j[0], j[1], j[2].offset),
+    )
+    writers: dict[tuple[str, Box], int] = {}
+    for nbytes, key, box in jobs:
+        ranks = holders[key][box]
+        w = min(ranks, key=lambda r: (load[r], r))
+        load[w] += nbytes
+        writers[(key, box)] = w
+    tensors = {}
+    for key in sorted(holders):
+        boxes = sorted(holders[key], key=lambda b: b.offset)
+        whole = len(boxes) == 1
+        parts = tuple(PartPlan(b, writers[(key, b)], "" if whole else f"p{i}") for i, b in enumerate(boxes))
+        tensors[key] = TensorPlan(key, meta[key].dtype, meta[key].global_shape, parts)
+    return GlobalPlan(tensors, tree)
+
+
+def check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
+    """Raises StateError unless ``boxes`` cover ``shape`` exactly, without overlap.
+
+    Sweeps along dimension 0 with the boxes sorted by offset, comparing each box only with the
+    ones whose rows it shares, so row-, column- and table-wise layouts check in O(n log n).
+    """
+    for b in boxes:
+        if len(b.offset) != len(shape) or any(
+            o < 0 or n < 0 or o + n > s for o, n, s in zip(b.offset, b.shape, shape)
+        ):
+            raise StateError(f"{key}: box at {list(b.offset)} of {list(b.shape)} is outside {list(shape)}")
+    nonempty = sorted((b for b in boxes if b.numel), key=lambda b: b.offset)
+    if sum(b.numel for b in nonempty) != math.prod(shape):
+        raise StateError(f"{key}: the ranks' parts cover {sum(b.numel for b in nonempty)} of "
+                         f"{math.prod(shape)} elements")
+    active: list[tuple[int, int, Box]] = []
+    for i, b in enumerate(nonempty):
+        if not b.offset:
+            continue
+        while active and active[0][0] <= b.offset[0]:
+            heapq.heappop(active)
+        for _, _, other in active:
+            if b.intersect(other) is not None:
+                raise StateError(f"{key}: parts at {list(other.offset)} and {list(b.offset)} overlap")
+        heapq.heappush(active, (b.offset[0] + b.shape[0], i, b))

@@ -1,0 +1,121 @@
+"""Sharded tensors: a rank's box of a global tensor.
+
+A :class:`Shard` is a local tensor plus where it sits in the global tensor. DTensors with
+``Shard``/``Replicate`` placements become Shards; a plain tensor is a Shard covering the whole
+tensor (on several ranks, plain tensors are replicas and are written once).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import StateError
+
+
+@dataclass(frozen=True)
+class Box:
+    """An axis-aligned block of a global tensor: ``offset`` and ``shape`` per dimension."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def intersect(self, other: Box) -> Box | None:
+        """The common block, or None if empty (a 0-d box meets a 0-d box)."""
+        lo = tuple(max(a, b) for a, b in zip(self.offset, other.offset))
+        hi = tuple(
+            min(a + n, b + m)
+            for a, n, b, m in zip(self.offset, self.shape, other.offset, other.shape)
+        )
+        if any(h <= lo_ for lo_, h in zip(lo, hi)):
+            return None
+        return Box(lo, tuple(h - lo_ for lo_, h in zip(lo, hi)))
+
+    def slices(self, within: Box) -> tuple[slice, ...]:
+        """Index of this box inside the local tensor of ``within``."""
+        return tuple(slice(o - w, o - w + n) for o, n, w in zip(self.offset, self.shape, within.offset))
+
+
+class Shard:
+    """One rank's part of a global tensor.
+
+    Args:
+        local: the rank's tensor.
+        global_shape: shape of the whole tensor.
+        global_offset: where ``local`` starts in it, per dimension.
+
+    Raises:
+        StateError: the local tensor does not fit in the global shape at that offset.
+
+    Example:
+        >>> s = Shard(torch.zeros(5, 4), global_shape=(10, 4), global_offset=(5, 0))
+        >>> s.box
+        Box(offset=(5, 0), shape=(5, 4))
+    """
+
+    def __init__(self, local: torch.Tensor, *, global_shape: tuple[int, ...] | torch.Size,
+                 global_offset: tuple[int, ...]):
+        global_shape = tuple(int(d) for d in global_shape)
+        global_offset = tuple(int(d) for d in global_offset)
+        if not isinstance(local, torch.Tensor):
+            raise StateError(f"Shard.local must be a tensor, got {type(local).__name__}")
+        if not len(global_shape) == len(global_offset) == local.dim():
+            raise StateError(
+                f"Shard of a {local.dim()}-d tensor needs {local.dim()} dimensions, got "
+                f"global_shape {global_shape} and global_offset {global_offset}"
+            )
+        if any(o < 0 or o + n > g for o, n, g in zip(global_offset, local.shape, global_shape)):
+            raise StateError(
+                f"Shard of shape {tuple(local.shape)} at offset {global_offset} does not fit in "
+                f"global shape {global_shape}"
+            )
+        self.local = local
+        self.global_shape = global_shape
+        self.global_offset = global_offset
+
+    @property
+    def box(self) -> Box:
+        return Box(self.global_offset, tuple(self.local.shape))
+
+    @property
+    def is_whole(self) -> bool:
+        return tuple(self.local.shape) == self.global_shape
+
+    def __repr__(self) -> str:
+        return (f"Shard(local={tuple(self.local.shape)} {self.local.dtype}, "
+                f"global_shape={self.global_shape}, global_offset={self.global_offset})")
+
+
+def is_dtensor(obj: Any) -> bool:
+    cls = type(obj)
+    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
+
+
+def from_dtensor(dt: Any, path: str) -> Shard:
+    """The Shard of this rank's part of a DTensor (``Shard`` and ``Replicate`` placements)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard as DShard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for p in dt.placements:
+        if not isinstance(p, (DShard, Replicate)):
+            raise StateError(f"{path}: DTensor placement {p} is not supported (use Shard or Replicate)")
+    local = dt.to_local()
+    _, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    return Shard(local, global_shape=tuple(dt.shape), global_offset=tuple(offset))
+
+
+def as_shard(obj: Any, path: str) -> Shard:
+    """A tensor, Shard or DTensor as a Shard."""
+    if isinstance(obj, Shard):
+        return obj
+    if is_dtensor(obj):
+        return from_dtensor(obj, path)
+    return Shard(obj, global_shape=tuple(obj.shape), global_offset=(0,) * obj.dim())

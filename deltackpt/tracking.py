@@ -1,0 +1,458 @@
+"""Row tracking from lookups: which rows of an embedding table a training step may have changed.
+
+A tracked table has a mask on its device, one entry per row, that forward hooks on the model's
+``nn.Embedding`` and ``nn.EmbeddingBag`` modules (and on TorchRec's ``EmbeddingBagCollection``)
+set from the lookup ids with :func:`deltackpt.kernels.mark_rows`: O(lookups) per step, never
+O(table). At a save, the marked rows are the table's change set, and the change set of optimizer
+state aligned with the table (Adagrad ``sum``, Adam ``exp_avg``/``exp_avg_sq``, row-wise 1-D
+accumulators) too. :mod:`deltackpt.changes` uses the marks, checks them with a canary and falls
+back to hashing; this module only records them.
+
+Flat keys. A save flattens its state to ``/``-joined paths (:func:`deltackpt.statetree.flatten`).
+A model passed to ``track(model, prefix="model")`` is expected at ``state["model"]``, so the
+weight of its module ``tower.emb`` has the key ``"model/tower.emb.weight"``: the prefix, then the
+parameter's name in ``model.named_parameters()`` as one path part (``prefix=""`` when the model's
+``state_dict()`` is the whole state). An optimizer at ``state["optim"]`` keeps the state of its
+``i``-th parameter (counted across ``param_groups`` in order, as ``Optimizer.state_dict()``
+numbers them) under ``"optim/state/<i>/<name>"``; an entry is aligned with a table, and shares
+its marks, when it has the table's shape or is 1-D with one value per row. The parameter is
+found by identity in ``optimizer.param_groups`` at every save, so parameter groups added after
+``track`` count. A tracked key absent from the saved state logs a warning once (a wrong prefix
+costs full hashing, never correctness).
+
+What is marked: every id of every lookup, in training and evaluation alike, ``padding_idx``
+included. Rows that a lookup reads but no update changes only make a delta a little larger;
+filtering them out would cost a pass over the ids on every step and buys nothing for exactness.
+EmbeddingBag inputs are marked whole, 2-D ``(B, L)`` or 1-D with ``offsets`` (offsets only split
+the ids into bags). Marks made before a table's first save are not needed (that save hashes the
+table) and are dropped.
+
+TorchRec: a module that is an instance of TorchRec's ``EmbeddingBagCollectionInterface`` (the
+plain and the fused ``EmbeddingBagCollection``) is hooked as a whole: its ``KeyedJaggedTensor``
+input is split per feature with ``keys()``, ``values()`` and ``length_per_key()`` (which the
+module's own forward computes and caches, so reading it adds no device sync), and each feature's
+ids mark the table that ``embedding_bag_configs()`` assigns it to. Its tables' keys are
+``"<prefix>/<ebc name>.embedding_bags.<table>.weight"``, the names its parameters carry. torchrec
+is never imported here: the interface class is looked up among the modules already imported,
+since a model holding such a module has imported it. Sharded TorchRec modules are not supported.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> rows = RowTracker()
+    >>> model = nn.Sequential(nn.EmbeddingBag(100, 4, mode="sum"))
+    >>> rows.track(model, prefix="model").keys
+    ('model/0.weight',)
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from . import kernels
+from .errors import StateError
+from .statetree import key_part
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Canary:
+    """How many unmarked rows of a tracked table each delta re-hashes to check the marks.
+
+    A save that uses marks also hashes ``max(min_rows, ceil(fraction * rows))`` rows drawn at
+    random (at most every row), keeps those that are not marked, and compares their hashes with
+    the last commit's. An optimizer that changes untouched rows (weight decay, dense Adam) changes
+    nearly all of them, so a sample of a thousand rows finds it on the first delta; a rare stray
+    update to a few rows is found only with the probability that the sample hits one of them.
+
+    Attributes:
+        fraction: share of the table's rows drawn per save, in [0, 1]. The default 0.1% costs
+            about a tenth of writing a 1% delta (hashing runs ~5x faster than writing).
+        min_rows: rows drawn at least, >= 1, so a small table still gets a useful sample.
+    """
+
+    fraction: float = 0.001
+    min_rows: int = 1024
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.fraction <= 1:
+            raise ValueError(f"fraction must be in [0, 1], got {self.fraction!r}")
+        if not isinstance(self.min_rows, int) or self.min_rows < 1:
+            raise ValueError(f"min_rows must be a positive int, got {self.min_rows!r}")
+
+    def sample_size(self, rows: int) -> int:
+        """Rows to draw from a table of ``rows`` rows."""
+        return min(rows, max(self.min_rows, math.ceil(self.fraction * rows)))
+
+
+class TableMode(enum.Enum):
+    """Whether a table's marks can stand for its change set."""
+
+    OFF = "off"  # no mask: the next save hashes the table and starts recording
+    STARTING = "starting"  # recording since a hashing scan whose save has not committed
+    ON = "on"  # the marks (plus pending ones) cover every change since the last commit
+    HASHING = "hashing"  # the canary found an unmarked change: hash this table from now on
+
+
+class TrackedTable:
+    """One tracked table: its flat keys, its marks, and the optimizer that may hold its state.
+
+    Args:
+        keys: the flat keys of the table (several when the parameter is tied under two names).
+        param: the parameter, to find its optimizer state; None for a key marked by hand.
+        optimizer: an optimizer that may update ``param``, and its flat-key prefix.
+        canary: the canary's sample size.
+    """
+
+    def __init__(
+        self,
+        keys: tuple[str, ...],
+        param: torch.Tensor | None,
+        optimizer: tuple[torch.optim.Optimizer, str] | None,
+        canary: Canary,
+    ):
+        self.keys = keys
+        self.param = param
+        self.optimizer = optimizer
+        self.canary = canary
+        self.mode = TableMode.OFF
+        self.mask: torch.Tensor | None = None
+        # Rows taken from the mask by scans whose saves have not committed: a failed save's rows
+        # reach the next save through here.
+        self.pending: torch.Tensor | None = None
+
+    @property
+    def name(self) -> str:
+        return self.keys[0]
+
+    def mark(self, ids: torch.Tensor, rows: int | None = None) -> None:
+        """Marks rows ``ids``; ``rows``, when given, is the table's current row count."""
+        mask = self.mask
+        if mask is None:
+            return
+        if rows is not None and rows != mask.shape[0]:
+            # The table was resized: its marks mean nothing now, and an id past the old end
+            # would be lost, so the next save hashes it.
+            self.stop()
+            return
+        if mask.device != ids.device:
+            mask = self.mask = mask.to(ids.device)
+        kernels.mark_rows(mask, ids.reshape(-1))
+
+    def begin(self, rows: int, device: torch.device) -> None:
+        """Drops every mark and records from now on into a mask of ``rows`` rows on ``device``."""
+        if self.mask is not None and self.mask.shape[0] == rows and self.mask.device == device:
+            self.mask.zero_()
+        else:
+            self.mask = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.pending = None
+
+    def take(self) -> torch.Tensor:
+        """The rows marked since the last take, with those of uncommitted saves: sorted, unique
+        int64 ids on the CPU. They stay pending until :meth:`settle`."""
+        assert self.mask is not None, "take() needs a table in mode ON"
+        marked = self.mask.nonzero().flatten()
+        # Clearing just the taken rows costs O(changed); marks made after the nonzero pass stay.
+        self.mask.index_fill_(0, marked, False)
+        ids = marked.cpu()
+        if self.pending is not None and self.pending.numel():
+            ids = torch.unique(torch.cat([self.pending, ids]))
+        self.pending = ids
+        return ids
+
+    def settle(self) -> None:
+        """Forgets the pending rows: the save that took them committed."""
+        self.pending = None
+
+    def stop(self) -> None:
+        """Stops recording; the next save hashes the table (``mode`` OFF, or stays HASHING)."""
+        self.mask = None
+        self.pending = None
+        if self.mode is not TableMode.HASHING:
+            self.mode = TableMode.OFF
+
+
+@dataclass(frozen=True)
+class TrackedGroup:
+    """A tracked table as found in one save's tensors.
+
+    Attributes:
+        table: the table's marks.
+        keys: the flat keys that share the marks and are in the state: the table's, then its
+            aligned optimizer state.
+        rows: the table's row count.
+    """
+
+    table: TrackedTable
+    keys: tuple[str, ...]
+    rows: int
+
+
+@dataclass
+class TrackHandle:
+    """What :meth:`RowTracker.track` set up.
+
+    Attributes:
+        keys: flat keys of the tables it tracks, in module order.
+    """
+
+    keys: tuple[str, ...]
+    _tracker: RowTracker = field(repr=False)
+    _hooks: list[RemovableHandle] = field(repr=False)
+
+    def remove(self) -> None:
+        """Removes the hooks and stops tracking these tables; their keys are hashed again."""
+        self._tracker.untrack(self._hooks, self.keys)
+        self._hooks.clear()
+
+
+class RowTracker:
+    """The tracked tables of one checkpointer, by flat key."""
+
+    def __init__(self) -> None:
+        self._tables: dict[str, TrackedTable] = {}  # by each of its keys
+        self._hooks: dict[int, RemovableHandle] = {}  # by id() of the hooked module
+        self._params: dict[str, tuple[torch.Tensor, tuple[torch.optim.Optimizer, str] | None]] = {}
+        self._warned: set[str] = set()
+
+    # -- registration ---------------------------------------------------------------------------
+
+    def track(
+        self,
+        model: nn.Module,
+        *,
+        prefix: str = "model",
+        optimizer: torch.optim.Optimizer | None = None,
+        optimizer_prefix: str = "optim",
+        canary: Canary | None = None,
+    ) -> TrackHandle:
+        """Hooks every ``nn.Embedding``, ``nn.EmbeddingBag`` and TorchRec
+        ``EmbeddingBagCollection`` of ``model`` so that lookups mark their rows.
+
+        Tracking a module again replaces its hook, so a second call can add an optimizer.
+
+        Args:
+            model: the model, as it sits in the saved state.
+            prefix: the flat-key path of ``model`` in the state (``""`` for the root).
+            optimizer: the optimizer whose state of these tables shares their marks.
+            optimizer_prefix: the flat-key path of ``optimizer`` in the state.
+            canary: the canary's sample size for these tables (default ``Canary()``).
+
+        Returns:
+            The tracked keys, and a way to remove the hooks.
+
+        Raises:
+            StateError: ``model`` is not an ``nn.Module``.
+        """
+        if not isinstance(model, nn.Module):
+            raise StateError(f"track() needs an nn.Module, got {type(model).__name__}")
+        canary = canary if canary is not None else Canary()
+        opt = (optimizer, optimizer_prefix) if optimizer is not None else None
+        names: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+            # Remembered so that mark() by hand on a parameter's key finds its optimizer state.
+            self._params[_join(prefix, name)] = (p, opt)
+
+        def table(p: torch.Tensor, name: str) -> TrackedTable:
+            keys = tuple(_join(prefix, n) for n in names.get(id(p), [name]))
+            return self._register(keys, p, opt, canary)
+
+        ebc = _ebc_interface()
+        hooks: list[RemovableHandle] = []
+        keys: list[str] = []
+        covered: list[str] = []  # TorchRec collections hooked whole: skip their children
+        for mod_name, mod in model.named_modules():
+            if any(mod_name.startswith(c + ".") for c in covered):
+                continue
+            if ebc is not None and isinstance(mod, ebc):
+                covered.append(mod_name)
+                by_feature = {}
+                for cfg in mod.embedding_bag_configs():
+                    t = table(mod.embedding_bags[cfg.name].weight,
+                              _dotted(mod_name, f"embedding_bags.{cfg.name}.weight"))
+                    keys.extend(t.keys)
+                    by_feature.update({f: t for f in cfg.feature_names or [cfg.name]})
+                hooks.append(self._hook(mod, _collection_hook(by_feature)))
+            elif isinstance(mod, (nn.Embedding, nn.EmbeddingBag)):
+                t = table(mod.weight, _dotted(mod_name, "weight"))
+                keys.extend(t.keys)
+                hooks.append(self._hook(mod, _lookup_hook(t)))
+        log.debug("tracking %d tables of %s: %s", len(keys), type(model).__name__, keys)
+        return TrackHandle(tuple(keys), self, hooks)
+
+    def mark(self, key: str, ids: torch.Tensor) -> None:
+        """Marks rows ``ids`` of the table at flat key ``key``, tracking it from now on.
+
+        Args:
+            key: the table's flat key in the saved state.
+            ids: row ids (int64 or int32, any shape) on the table's device; they must be in range.
+
+        Raises:
+            StateError: ``ids`` is not an integer tensor.
+        """
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            raise StateError(f"mark({key!r}): ids must be an int64 or int32 tensor, got "
+                             f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+        t = self._tables.get(key)
+        if t is None:
+            param, opt = self._params.get(key, (None, None))
+            t = self._register((key,), param, opt, Canary())
+        t.mark(ids)
+
+    def untrack(self, hooks: Iterable[RemovableHandle], keys: Iterable[str]) -> None:
+        """Removes ``hooks`` and stops tracking the tables of ``keys``; the next save hashes them."""
+        hooks = list(hooks)
+        for h in hooks:
+            h.remove()
+        self._hooks = {m: h for m, h in self._hooks.items() if h not in hooks}
+        for key in keys:
+            t = self._tables.pop(key, None)
+            if t is not None:
+                t.stop()
+
+    # -- for the change tracker -----------------------------------------------------------------
+
+    def tables(self) -> list[TrackedTable]:
+        """Every tracked table, once each."""
+        return list({id(t): t for t in self._tables.values()}.values())
+
+    def resolve(self, tensors: Mapping[str, torch.Tensor]) -> list[TrackedGroup]:
+        """The tracked tables in ``tensors``, each with the keys that share its marks.
+
+        Raises:
+            StateError: a tracked key holds a 0-d tensor.
+        """
+        aligned = _optimizer_entries(tensors)
+        groups = []
+        for t in self.tables():
+            present = [k for k in t.keys if k in tensors]
+            for k in t.keys:
+                if k not in tensors and k not in self._warned:
+                    self._warned.add(k)
+                    log.warning("tracked table %r is not in the saved state, so its marks go "
+                                "unused; check the prefix given to track()", k)
+            if not present:
+                continue
+            table = tensors[present[0]]
+            if table.dim() == 0:
+                raise StateError(f"{present[0]}: a 0-d tensor has no rows to mark")
+            members = list(present)
+            if t.param is not None and t.optimizer is not None:
+                opt, opt_prefix = t.optimizer
+                index = _param_index(opt, t.param)
+                for k in aligned.get((opt_prefix, index), []) if index is not None else []:
+                    s = tensors[k]
+                    if s.dim() >= 1 and s.shape[0] == table.shape[0] and (
+                        s.dim() == 1 or s.shape == table.shape
+                    ):
+                        members.append(k)
+            groups.append(TrackedGroup(t, tuple(members), table.shape[0]))
+        return groups
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _register(
+        self,
+        keys: tuple[str, ...],
+        param: torch.Tensor | None,
+        optimizer: tuple[torch.optim.Optimizer, str] | None,
+        canary: Canary,
+    ) -> TrackedTable:
+        t = next((self._tables[k] for k in keys if k in self._tables), None)
+        if t is None:
+            t = TrackedTable(keys, param, optimizer, canary)
+        else:
+            # Tracked before (by hand, or by an earlier track call): keep its marks.
+            t.keys = tuple(dict.fromkeys(t.keys + keys))
+            t.param = param if param is not None else t.param
+            t.optimizer = optimizer if optimizer is not None else t.optimizer
+            t.canary = canary
+        for k in t.keys:
+            self._tables[k] = t
+        return t
+
+    def _hook(self, mod: nn.Module, hook: Any) -> RemovableHandle:
+        old = self._hooks.pop(id(mod), None)
+        if old is not None:
+            old.remove()
+        handle = mod.register_forward_hook(hook, with_kwargs=True)
+        self._hooks[id(mod)] = handle
+        return handle
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}/{key_part(name)}" if prefix else key_part(name)
+
+
+def _dotted(module: str, name: str) -> str:
+    return f"{module}.{name}" if module else name
+
+
+def _lookup_hook(table: TrackedTable) -> Any:
+    def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        ids = args[0] if args else kwargs["input"]
+        table.mark(ids, mod.weight.shape[0])
+
+    return hook
+
+
+def _collection_hook(by_feature: Mapping[str, TrackedTable]) -> Any:
+    def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        kjt = args[0] if args else kwargs["features"]
+        for feature, ids in _feature_ids(kjt):
+            t = by_feature.get(feature)
+            if t is not None:
+                t.mark(ids)
+
+    return hook
+
+
+def _feature_ids(kjt: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(feature, ids) of a KeyedJaggedTensor, from its public API."""
+    if not all(callable(getattr(kjt, a, None)) for a in ("keys", "values", "length_per_key")):
+        raise StateError(
+            f"a tracked EmbeddingBagCollection got a {type(kjt).__name__}; tracking reads "
+            "KeyedJaggedTensor inputs only (keys(), values(), length_per_key())"
+        )
+    return zip(kjt.keys(), torch.split(kjt.values(), kjt.length_per_key()), strict=True)
+
+
+def _ebc_interface() -> type | None:
+    """TorchRec's EmbeddingBagCollectionInterface if torchrec is imported, else None."""
+    mod = sys.modules.get("torchrec.modules.embedding_modules")
+    return getattr(mod, "EmbeddingBagCollectionInterface", None)
+
+
+def _param_index(opt: torch.optim.Optimizer, param: torch.Tensor) -> int | None:
+    """The index ``Optimizer.state_dict()`` gives ``param``, or None if ``opt`` lacks it."""
+    i = 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p is param:
+                return i
+            i += 1
+    return None
+
+
+def _optimizer_entries(tensors: Mapping[str, torch.Tensor]) -> dict[tuple[str, int], list[str]]:
+    """Keys shaped like ``<prefix>/state/<index>/<name>``, by (prefix, index)."""
+    out: dict[tuple[str, int], list[str]] = {}
+    for key in tensors:
+        parts = key.rsplit("/", 3)
+        if len(parts) == 3:
+            parts.insert(0, "")
+        if len(parts) == 4 and parts[1] == "state" and parts[2].isdigit():
+            out.setdefault((parts[0], int(parts[2])), []).append(key)
+    return out
