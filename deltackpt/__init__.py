@@ -19,6 +19,7 @@ from __future__ import annotations
 from .checkpointer import Checkpointer, SaveInfo
 from .errors import (
     BrokenChainError,
+    CheckpointAborted,
     DeltackptError,
     DtypeMismatchError,
     IntegrityError,
@@ -33,11 +34,15 @@ from .errors import (
     StoreError,
 )
 from .policy import BasePolicy, Decision, EveryK
+from .sharding import Shard
 from .storage import LocalStorage, Storage
+from .tracking import Canary, TrackHandle
 
 __all__ = [
     "BasePolicy",
     "BrokenChainError",
+    "Canary",
+    "CheckpointAborted",
     "Checkpointer",
     "Decision",
     "DeltackptError",
@@ -50,10 +55,12 @@ __all__ = [
     "MissingChunkError",
     "SaveInfo",
     "ShapeMismatchError",
+    "Shard",
     "StateError",
     "StepExistsError",
     "StepNotFoundError",
     "Storage",
     "StorageFullError",
     "StoreError",
+    "TrackHandle",
 ]
