@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from .errors import CheckpointAborted, DeltackptError
+from .errors import REQUEST_ERRORS, CheckpointAborted
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -85,8 +85,8 @@ class Collective:
         self._exchange(phase, lambda: dist.broadcast_object_list(box, src=src, group=self.group))
         ok, value = box[0]
         if not ok:
-            if isinstance(value, DeltackptError) and not isinstance(value, CheckpointAborted):
-                raise value  # the coordinator's typed error (an unknown step, ...) on every rank
+            if isinstance(value, REQUEST_ERRORS):
+                raise value  # a bad request (an unknown step, ...), the same on every rank
             raise CheckpointAborted({self.coordinator: (phase, _describe(value))})
         return value
 

@@ -130,3 +130,8 @@ class CheckpointAborted(DeltackptError):
 
     def __reduce__(self):
         return (type(self), (self.failures,))
+
+
+# Errors about the request itself rather than a rank's failure: the coordinator raises them the
+# same way on every rank (a restore of an unknown step is a StepNotFoundError everywhere).
+REQUEST_ERRORS = (StepNotFoundError, StepExistsError, StateError, BrokenChainError, ManifestError)

@@ -52,3 +52,34 @@ def save(storage: LocalStorage, step: int) -> None:
 
 def save_with_crash(path: str, crash_at: int, step: int) -> None:
     save(CrashingStorage(path, crash_at), step)
+
+
+class FaultStorage(LocalStorage):
+    """Injects a fault at the ``nth`` persist point of ``phase`` on rank ``rank``: ``raise``
+    (OSError EIO), ``sigkill`` (the process dies) or ``sleep`` (the rank hangs ``seconds``)."""
+
+    def __init__(self, root, *, phase: str, rank: int, action: str, nth: int = 1,
+                 seconds: float = 60.0):
+        super().__init__(root)
+        self.fault = (phase, rank, action, nth, seconds)
+        self.count = 0
+
+    def persist_point(self, phase: str, key: str) -> None:
+        import errno
+        import signal
+        import time
+
+        import torch.distributed as dist
+
+        want, rank, action, nth, seconds = self.fault
+        if phase != want or dist.get_rank() != rank:
+            return
+        self.count += 1
+        if self.count != nth:
+            return
+        if action == "raise":
+            raise OSError(errno.EIO, f"injected I/O error at {phase}")
+        if action == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if action == "sleep":
+            time.sleep(seconds)
