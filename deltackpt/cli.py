@@ -18,6 +18,7 @@ import torch
 
 from .checkpointer import Checkpointer
 from .errors import DeltackptError, ManifestError
+from .sharding import Shard
 from .store import Store, open_storage
 
 
@@ -104,20 +105,48 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    ckpt = Checkpointer(args.path, create=False)
-    try:
-        state = ckpt.load(args.step)
-    finally:
-        ckpt.close()
+    if args.world_size is not None and args.world_size < 1:
+        raise DeltackptError(f"--world-size must be >= 1, got {args.world_size}")
     out = os.path.abspath(args.out)
-    tmp = f"{out}.{os.getpid()}.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, out)
+    written = []
+    with Checkpointer(args.path, create=False) as ckpt:
+        if args.world_size is None:
+            _save_atomic(ckpt.load(args.step), out)
+            written.append(out)
+        else:
+            os.makedirs(out, exist_ok=True)
+            for rank in range(args.world_size):
+                shards: dict[str, dict[str, list[int]]] = {}
+                state = _unshard(ckpt.load(args.step, row_shard=(rank, args.world_size)), "", shards)
+                doc = {"step": args.step, "rank": rank, "world_size": args.world_size,
+                       "state": state, "shards": shards}
+                path = os.path.join(out, f"rank{rank:05d}-of-{args.world_size:05d}.pt")
+                _save_atomic(doc, path)
+                written.append(path)
     if args.json:
-        _print_json({"step": args.step, "out": out})
+        _print_json({"step": args.step, "files": written})
     else:
-        print(f"wrote step {args.step} to {out}")
+        for path in written:
+            print(f"wrote step {args.step} to {path}")
     return 0
+
+
+def _save_atomic(obj: Any, path: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _unshard(obj: Any, path: str, shards: dict[str, dict[str, list[int]]]) -> Any:
+    """Replaces Shards by their local tensors, noting where each sits in ``shards``."""
+    if isinstance(obj, Shard):
+        shards[path] = {"global_shape": list(obj.global_shape), "global_offset": list(obj.global_offset)}
+        return obj.local
+    if isinstance(obj, dict):
+        return {k: _unshard(v, f"{path}/{k}" if path else str(k), shards) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_unshard(v, f"{path}/{i}", shards) for i, v in enumerate(obj))
+    return obj
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -173,10 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the whole commit record as JSON")
     p.set_defaults(func=cmd_show)
 
-    p = sub.add_parser("restore", help="write a step as a state-dict file (torch.load-able)")
+    p = sub.add_parser("restore", help="write a step as state-dict file(s) (torch.load-able)")
     p.add_argument("path", help="store directory")
     p.add_argument("--step", type=int, required=True, help="the step to restore")
-    p.add_argument("--out", required=True, help="output file (read with torch.load(weights_only=True))")
+    p.add_argument("--out", required=True,
+                   help="output file, or folder with --world-size (read with torch.load(weights_only=True))")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="write one file per rank of a row-wise sharding over this many ranks: "
+                        "{step, rank, world_size, state (local rows), shards (global shape and "
+                        "offset by key)}")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_restore)
 

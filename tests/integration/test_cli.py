@@ -118,3 +118,24 @@ def test_demo_small(tmp_path, capsys):
                        "--every", "2", "--json")
     lines = [json.loads(line) for line in out.splitlines()]
     assert lines[-1]["bit_exact"] is True and [r["kind"] for r in lines[:-1]] == ["base", "delta"]
+
+
+def test_restore_per_rank_files(store, tmp_path, capsys):
+    out_dir = tmp_path / "ranks"
+    code, out, _ = run(capsys, "restore", store, "--step", "20", "--out", str(out_dir),
+                       "--world-size", "3", "--json")
+    files = json.loads(out)["files"]
+    assert code == 0 and len(files) == 3
+    with Checkpointer(store, create=False) as ckpt:
+        full = ckpt.load(20)["model"]["table"]
+    parts = []
+    for rank, f in enumerate(files):
+        doc = torch.load(f, weights_only=True)
+        assert (doc["rank"], doc["world_size"], doc["step"]) == (rank, 3, 20)
+        meta = doc["shards"]["model/table"]
+        assert meta["global_shape"] == [100, 4] and meta["global_offset"] == [34 * rank, 0]
+        parts.append(doc["state"]["model"]["table"])
+    assert torch.equal(torch.cat(parts), full)
+    code, _, err = run(capsys, "restore", store, "--step", "20", "--out", str(out_dir),
+                       "--world-size", "0")
+    assert code == 1 and "--world-size must be >= 1, got 0" in err
