@@ -28,21 +28,22 @@ from typing import Any
 import torch
 
 from . import dtypes, statetree
-from .changes import ChangeTracker, TensorChange, is_row_sparse
+from .changes import ChangeTracker
 from .collectives import Collective
 from .errors import KeyMismatchError, StepExistsError, StepNotFoundError
-from .manifest import Manifest, PartRecord, TensorRecord
+from .manifest import Manifest
 from .planner import GlobalPlan, ItemInfo, LocalPlan, make_global_plan
 from .policy import BasePolicy, ChainState, EveryK
 from .reader import ChainReader
 from .restoring import plan_restore
-from .sharding import Box, Shard
+from .saving import PartScan, build_manifest, describe, summarize, tensor_bytes, write_part
+from .sharding import Box, Shard, row_block
 from .staging import StagingPool
 from .storage import Storage
 from .store import STEPS, Store, open_storage
 from .tracking import Canary, TrackHandle
 from .verify import VerifyReport, verify
-from .writer import StepWriter, chunk_shape, part_folder
+from .writer import ChunkMap, StepWriter
 
 log = logging.getLogger(__name__)
 
@@ -70,17 +71,6 @@ class SaveInfo:
     rows_changed: int
     seconds: float
     reason: str
-
-
-@dataclass(frozen=True)
-class _Scan:
-    """One rank's change summary of a part it writes."""
-
-    key: str
-    path: str
-    complete: bool  # False: no reference to compare with, the part must be written whole
-    changed: int  # rows or chunks
-    delta_bytes: int
 
 
 class Checkpointer:
@@ -139,8 +129,7 @@ class Checkpointer:
         if create:
             self._coll.one("open", self.store.create)
         self.store.check_exists()
-        self._chunk_bytes = chunk_bytes
-        self._dense_chunk_bytes = dense_chunk_bytes
+        self._sizes = (chunk_bytes, dense_chunk_bytes)
         self._tracker = ChangeTracker(dense_chunk_bytes)
         self._pool = StagingPool(memory_budget // chunk_bytes, chunk_bytes,
                                  pin=torch.cuda.is_available())
@@ -210,7 +199,7 @@ class Checkpointer:
                 ItemInfo(k, dtypes.name(s.local.dtype), s.global_shape, s.box, s.local.element_size())
                 for k, s in sorted(shards.items())
             )
-            plan = LocalPlan(self.rank, items, flat.tree, (self._chunk_bytes, self._dense_chunk_bytes))
+            plan = LocalPlan(self.rank, items, flat.tree, self._sizes)
             local.update(shards=shards, digest=plan.digest())
             return step, local["digest"], None if local["digest"] == self._sent_digest else plan
 
@@ -219,22 +208,22 @@ class Checkpointer:
         self._sent_digest = local["digest"]
         owned = plan.owned(self.rank)
 
-        def scan() -> list[_Scan]:
+        def scan() -> list[PartScan]:
             tensors = {tp.key: local["shards"][tp.key].local for tp, _ in owned}
             changes = self._tracker.scan(tensors)
             local.update(tensors=tensors, changes=changes)
-            return [self._summary(tp.key, part.path, tensors[tp.key], changes[tp.key])
-                    for tp, part in owned]
+            return [summarize(tp.key, part.path, tensors[tp.key], changes[tp.key],
+                              self._tracker.chunk_elems(tensors[tp.key])) for tp, part in owned]
 
         scans = [s for per_rank in self._coll.all("scan", scan) for s in per_rank]
         kind, reason, attempt, changed = self._coll.one(
             "decide", lambda: self._decide_and_describe(step, plan, scans, local))
 
-        def write() -> dict[tuple[str, str], dict[str, tuple[int, str]]]:
+        def write() -> dict[tuple[str, str], ChunkMap]:
             writer = StepWriter(self.store.storage, f"{STEPS}/{attempt}", self._pool, self._executor)
             for tp, part in owned:
-                self._write_part(writer, kind, tp.key, part.path, part.box, local["tensors"][tp.key],
-                                 local["changes"][tp.key], changed[(tp.key, part.path)])
+                write_part(writer, kind, tp.key, part, local["tensors"][tp.key],
+                           local["changes"][tp.key], changed[(tp.key, part.path)], self._sizes)
             try:
                 return writer.finish()
             finally:
@@ -295,23 +284,15 @@ class Checkpointer:
                 raise StepExistsError(f"step {step} is committed already")
             raise StepExistsError(f"step {step} is not after the latest committed step {latest}")
 
-    def _summary(self, key: str, path: str, t: torch.Tensor, change: TensorChange) -> _Scan:
-        if change.changed is None:
-            return _Scan(key, path, False, 0, 0)
-        n = change.changed.numel()
-        if is_row_sparse(t):
-            return _Scan(key, path, True, n, n * (t[0].numel() * t.element_size() + 8))
-        return _Scan(key, path, True, n, n * self._tracker.chunk_elems(t) * t.element_size())
-
-    def _decide_and_describe(self, step: int, plan: GlobalPlan, scans: list[_Scan],
+    def _decide_and_describe(self, step: int, plan: GlobalPlan, scans: list[PartScan],
                              local: dict[str, Any]) -> tuple[str, str, str, dict[tuple[str, str], int]]:
         """Coordinator: base or delta, a fresh attempt folder, and every array's metadata."""
-        full_bytes = sum(_nbytes(t) for t in plan.tensors.values())
         if self._head is None:
             kind, reason = "base", "no earlier step saved or restored by this checkpointer"
         elif not all(s.complete for s in scans):
             kind, reason = "base", "a tensor is new, or its dtype, shape or layout changed"
         else:
+            full_bytes = sum(tensor_bytes(t) for t in plan.tensors.values())
             decision = self.policy.decide(self._chain, sum(s.delta_bytes for s in scans), full_bytes)
             kind, reason = decision.kind, decision.reason
         changed = {(s.key, s.path): s.changed for s in scans}
@@ -320,83 +301,25 @@ class Checkpointer:
                        for t in plan.tensors.values() for p in t.parts}
         attempt = self.store.new_attempt(step)
         writer = StepWriter(self.store.storage, f"{STEPS}/{attempt}", self._pool, self._executor)
-        folders = {""}
-        for t in plan.tensors.values():
-            dt = dtypes.from_name(t.dtype)
-            itemsize = _itemsize(t.dtype)
-            for p in t.parts:
-                n = changed[(t.key, p.path)]
-                encoding = _encoding(kind, t.global_shape)
-                cs = chunk_shape(encoding, p.box.shape, itemsize, n, self._chunk_bytes,
-                                 self._dense_chunk_bytes)
-                if encoding == "full":
-                    writer.array(t.key, p.path, "", p.box.shape, cs, dt)
-                elif n == 0:
-                    continue
-                elif encoding == "rows":
-                    writer.group(t.key, p.path)
-                    writer.array(t.key, p.path, "ids", (n,), (cs[0],), torch.int64)
-                    writer.array(t.key, p.path, "rows", (n, *p.box.shape[1:]), cs, dt)
-                else:
-                    writer.array(t.key, p.path, "", (p.box.numel,), cs, dt)
-                parts = part_folder(t.key, p.path).split("/")
-                folders.update("/".join(parts[:i]) for i in range(1, len(parts)))
-        writer.groups(sorted(folders))
+        describe(writer, plan, kind, changed, self._sizes)
         try:
             local["docs"] = writer.finish()
         finally:
             self.store.storage.sync(writer.written)
         return kind, reason, attempt, changed
 
-    def _write_part(self, writer: StepWriter, kind: str, key: str, path: str, box: Box,
-                    t: torch.Tensor, change: TensorChange, n: int) -> None:
-        encoding = _encoding(kind, tuple(t.shape))
-        cs = chunk_shape(encoding, box.shape, t.element_size(), n, self._chunk_bytes,
-                         self._dense_chunk_bytes)
-        if encoding == "full":
-            writer.full(key, path, t, cs)
-        elif encoding == "rows":
-            writer.rows(key, path, t, change.changed, box.offset[0], cs[0])
-        else:
-            writer.chunks(key, path, t, change.changed.tolist(), cs[0])
-
     def _commit(self, step: int, kind: str, reason: str, attempt: str, plan: GlobalPlan,
-                changed: dict[tuple[str, str], int],
-                results: list[dict[tuple[str, str], dict[str, tuple[int, str]]]],
+                changed: dict[tuple[str, str], int], results: list[dict[tuple[str, str], ChunkMap]],
                 local: dict[str, Any]) -> Manifest:
         """Coordinator: the commit record from every rank's files, created only if absent."""
-        files: dict[tuple[str, str], dict[str, tuple[int, str]]] = {}
+        files: dict[tuple[str, str], ChunkMap] = {}
         for per_rank in [local["docs"], *results]:
             for where, chunks in per_rank.items():
                 files.setdefault(where, {}).update(chunks)
-        tensors = {}
-        for t in plan.tensors.values():
-            encoding = _encoding(kind, t.global_shape)
-            parts = tuple(
-                PartRecord(p.box.offset, p.box.shape, p.path,
-                           chunk_shape(encoding, p.box.shape, _itemsize(t.dtype),
-                                       changed[(t.key, p.path)], self._chunk_bytes,
-                                       self._dense_chunk_bytes),
-                           changed[(t.key, p.path)], files.get((t.key, p.path), {}))
-                for p in t.parts
-            )
-            tensors[t.key] = TensorRecord(t.dtype, t.global_shape, encoding, parts)
-        head = self._head
-        manifest = Manifest(
-            step=step,
-            kind=kind,
-            attempt=attempt,
-            parent=None if kind == "base" else head.step,
-            parent_attempt=None if kind == "base" else head.attempt,
-            base=step if kind == "base" else head.base,
-            chain_length=0 if kind == "base" else head.chain_length + 1,
-            world_size=self.world_size,
-            created=time.time(),
+        manifest = build_manifest(
+            step=step, kind=kind, attempt=attempt, head=self._head, world_size=self.world_size,
             policy={"name": self.policy.name, "decision": kind, "reason": reason},
-            tree=plan.tree,
-            tensors=tensors,
-            bytes_written=sum(size for chunks in files.values() for size, _ in chunks.values()),
-            state_bytes=sum(_nbytes(t) for t in plan.tensors.values()),
+            plan=plan, changed=changed, files=files, sizes=self._sizes,
         )
         if not self.store.commit(manifest):
             raise StepExistsError(f"step {step} was committed by another writer meanwhile")
@@ -586,29 +509,3 @@ class Checkpointer:
         self.close()
 
 
-def row_block(shape: tuple[int, ...], rank: int, world_size: int) -> Box:
-    """Rank ``rank``'s rows of a row-wise sharding over ``world_size`` ranks (``torch.chunk``'s
-    blocks of ``ceil(rows / world_size)``; the last ranks may get fewer rows, or none)."""
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    block = -(-shape[0] // world_size)
-    lo = min(shape[0], rank * block)
-    hi = min(shape[0], lo + block)
-    return Box((lo, *(0,) * (len(shape) - 1)), (hi - lo, *shape[1:]))
-
-
-def _itemsize(dtype_name: str) -> int:
-    return torch.empty((), dtype=dtypes.from_name(dtype_name)).element_size()
-
-
-def _nbytes(t: Any) -> int:
-    n = 1
-    for d in t.global_shape:
-        n *= d
-    return n * _itemsize(t.dtype)
-
-
-def _encoding(kind: str, shape: tuple[int, ...]) -> str:
-    if kind == "base":
-        return "full"
-    return "rows" if len(shape) >= 2 else "chunks"

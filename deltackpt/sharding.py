@@ -119,3 +119,14 @@ def as_shard(obj: Any, path: str) -> Shard:
     if is_dtensor(obj):
         return from_dtensor(obj, path)
     return Shard(obj, global_shape=tuple(obj.shape), global_offset=(0,) * obj.dim())
+
+
+def row_block(shape: tuple[int, ...], rank: int, world_size: int) -> Box:
+    """Rank ``rank``'s rows of a row-wise sharding over ``world_size`` ranks (``torch.chunk``'s
+    blocks of ``ceil(rows / world_size)``; the last ranks may get fewer rows, or none)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    block = -(-shape[0] // world_size)
+    lo = min(shape[0], rank * block)
+    hi = min(shape[0], lo + block)
+    return Box((lo, *(0,) * (len(shape) - 1)), (hi - lo, *shape[1:]))

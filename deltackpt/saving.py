@@ -1,0 +1,136 @@
+"""The pieces of a save between plan and commit: change summaries, array metadata, chunk writes
+and the commit record.
+
+``sizes`` is ``(chunk_bytes, dense_chunk_bytes)``, the same on every rank (the planner checks),
+so the coordinator, which writes every array's metadata, and the rank that writes a part's chunks
+agree on the chunk grid.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import dtypes
+from .changes import TensorChange, is_row_sparse
+from .manifest import Manifest, PartRecord, TensorRecord
+from .planner import GlobalPlan, PartPlan, TensorPlan
+from .writer import ChunkMap, StepWriter, chunk_shape, part_folder
+
+
+@dataclass(frozen=True)
+class PartScan:
+    """What changed in one part, as the rank that writes it found.
+
+    Attributes:
+        key: the tensor.
+        path: the part.
+        complete: False when there is nothing to compare with: the part must be written whole.
+        changed: rows (row-sparse tensors) or chunks (dense ones) changed.
+        delta_bytes: what a delta of them writes, about.
+    """
+
+    key: str
+    path: str
+    complete: bool
+    changed: int
+    delta_bytes: int
+
+
+def summarize(key: str, path: str, t: torch.Tensor, change: TensorChange, chunk_elems: int) -> PartScan:
+    if change.changed is None:
+        return PartScan(key, path, False, 0, 0)
+    n = change.changed.numel()
+    if is_row_sparse(t):
+        return PartScan(key, path, True, n, n * (t[0].numel() * t.element_size() + 8))
+    return PartScan(key, path, True, n, n * chunk_elems * t.element_size())
+
+
+def encoding(kind: str, shape: tuple[int, ...]) -> str:
+    """How a tensor is stored in a step of this kind."""
+    if kind == "base":
+        return "full"
+    return "rows" if len(shape) >= 2 else "chunks"
+
+
+def itemsize(dtype_name: str) -> int:
+    return torch.empty((), dtype=dtypes.from_name(dtype_name)).element_size()
+
+
+def tensor_bytes(t: TensorPlan) -> int:
+    return math.prod(t.global_shape) * itemsize(t.dtype)
+
+
+def describe(writer: StepWriter, plan: GlobalPlan, kind: str, changed: dict[tuple[str, str], int],
+             sizes: tuple[int, int]) -> None:
+    """Coordinator: writes the zarr metadata of every array and group of the step."""
+    folders = {""}
+    for t in plan.tensors.values():
+        dt = dtypes.from_name(t.dtype)
+        enc = encoding(kind, t.global_shape)
+        for p in t.parts:
+            n = changed[(t.key, p.path)]
+            cs = chunk_shape(enc, p.box.shape, itemsize(t.dtype), n, *sizes)
+            if enc == "full":
+                writer.array(t.key, p.path, "", p.box.shape, cs, dt)
+            elif n == 0:
+                continue  # an unchanged part writes nothing, not even metadata
+            elif enc == "rows":
+                writer.group(t.key, p.path)
+                writer.array(t.key, p.path, "ids", (n,), (cs[0],), torch.int64)
+                writer.array(t.key, p.path, "rows", (n, *p.box.shape[1:]), cs, dt)
+            else:
+                writer.array(t.key, p.path, "", (p.box.numel,), cs, dt)
+            names = part_folder(t.key, p.path).split("/")
+            folders.update("/".join(names[:i]) for i in range(1, len(names)))
+    writer.groups(sorted(folders))
+
+
+def write_part(writer: StepWriter, kind: str, key: str, part: PartPlan, t: torch.Tensor,
+               change: TensorChange, n: int, sizes: tuple[int, int]) -> None:
+    """The part's writer: queues the chunks of its part ``t``."""
+    enc = encoding(kind, tuple(t.shape))
+    cs = chunk_shape(enc, part.box.shape, t.element_size(), n, *sizes)
+    if enc == "full":
+        writer.full(key, part.path, t, cs)
+    elif enc == "rows":
+        writer.rows(key, part.path, t, change.changed, part.box.offset[0], cs[0])
+    else:
+        writer.chunks(key, part.path, t, change.changed.tolist(), cs[0])
+
+
+def build_manifest(*, step: int, kind: str, attempt: str, head: Manifest | None, world_size: int,
+                   policy: dict[str, Any], plan: GlobalPlan, changed: dict[tuple[str, str], int],
+                   files: dict[tuple[str, str], ChunkMap], sizes: tuple[int, int]) -> Manifest:
+    """The commit record of a save: every part with the files every rank wrote for it."""
+    tensors = {}
+    for t in plan.tensors.values():
+        enc = encoding(kind, t.global_shape)
+        parts = tuple(
+            PartRecord(p.box.offset, p.box.shape, p.path,
+                       chunk_shape(enc, p.box.shape, itemsize(t.dtype), changed[(t.key, p.path)], *sizes),
+                       changed[(t.key, p.path)], files.get((t.key, p.path), {}))
+            for p in t.parts
+        )
+        tensors[t.key] = TensorRecord(t.dtype, t.global_shape, enc, parts)
+    delta = kind == "delta"
+    return Manifest(
+        step=step,
+        kind=kind,
+        attempt=attempt,
+        parent=head.step if delta else None,
+        parent_attempt=head.attempt if delta else None,
+        base=head.base if delta else step,
+        chain_length=head.chain_length + 1 if delta else 0,
+        world_size=world_size,
+        created=time.time(),
+        policy=policy,
+        tree=plan.tree,
+        tensors=tensors,
+        bytes_written=sum(size for chunks in files.values() for size, _ in chunks.values()),
+        state_bytes=sum(tensor_bytes(t) for t in plan.tensors.values()),
+    )
