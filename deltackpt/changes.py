@@ -12,7 +12,7 @@ their bytes. Both are found one of two ways:
   rows its lookups marked since the last commit, with no pass over the table. The hashes of those
   rows (or of the chunks holding them, for 1-D state) are recomputed on the table's device, so
   the last commit's hashes stay current at O(changed) cost. Each such save also re-hashes a
-  random sample of unmarked rows (the :class:`~deltackpt.tracking.Canary`) and compares them
+  random sample of unmarked rows (the :class:`~deltackpt.marks.Canary`) and compares them
   with the last commit: a mismatch means something changes rows without a lookup (weight decay,
   dense Adam, a custom optimizer). It logs a warning naming the table, hashes that table and its
   optimizer state from then on, and the save writes the rows the hashes find.
@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from . import kernels
-from .tracking import RowTracker, TableMode, TrackedGroup, TrackedTable
+from .marks import TableMode, TrackedTable
+from .tracking import RowTracker, TrackedGroup
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +195,8 @@ class ChangeTracker:
         self, group: TrackedGroup, members: dict[str, torch.Tensor], ids: torch.Tensor
     ) -> list[str]:
         """Keys whose sampled unmarked rows differ from the last commit."""
+        if not group.rows:
+            return []
         sample = torch.randint(
             0, group.rows, (group.table.canary.sample_size(group.rows),), generator=self._rng
         )

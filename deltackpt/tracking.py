@@ -20,21 +20,8 @@ found by identity in ``optimizer.param_groups`` at every save, so parameter grou
 ``track`` count. A tracked key absent from the saved state logs a warning once (a wrong prefix
 costs full hashing, never correctness).
 
-What is marked: every id of every lookup, in training and evaluation alike, ``padding_idx``
-included. Rows that a lookup reads but no update changes only make a delta a little larger;
-filtering them out would cost a pass over the ids on every step and buys nothing for exactness.
-EmbeddingBag inputs are marked whole, 2-D ``(B, L)`` or 1-D with ``offsets`` (offsets only split
-the ids into bags). Marks made before a table's first save are not needed (that save hashes the
-table) and are dropped.
-
-TorchRec: a module that is an instance of TorchRec's ``EmbeddingBagCollectionInterface`` (the
-plain and the fused ``EmbeddingBagCollection``) is hooked as a whole: its ``KeyedJaggedTensor``
-input is split per feature with ``keys()``, ``values()`` and ``length_per_key()`` (which the
-module's own forward computes and caches, so reading it adds no device sync), and each feature's
-ids mark the table that ``embedding_bag_configs()`` assigns it to. Its tables' keys are
-``"<prefix>/<ebc name>.embedding_bags.<table>.weight"``, the names its parameters carry. torchrec
-is never imported here: the interface class is looked up among the modules already imported,
-since a model holding such a module has imported it. Sharded TorchRec modules are not supported.
+What is marked, and how TorchRec's collections are read: :mod:`deltackpt.lookups`; one table's
+marks and when they can stand for its changes: :mod:`deltackpt.marks`.
 
 Example:
     >>> import torch
@@ -47,140 +34,20 @@ Example:
 
 from __future__ import annotations
 
-import enum
 import logging
-import math
-import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import kernels
+from . import lookups
 from .errors import StateError
+from .marks import Canary, TrackedTable
 from .statetree import key_part
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Canary:
-    """How many unmarked rows of a tracked table each delta re-hashes to check the marks.
-
-    A save that uses marks also hashes ``max(min_rows, ceil(fraction * rows))`` rows drawn at
-    random (at most every row), keeps those that are not marked, and compares their hashes with
-    the last commit's. An optimizer that changes untouched rows (weight decay, dense Adam) changes
-    nearly all of them, so a sample of a thousand rows finds it on the first delta; a rare stray
-    update to a few rows is found only with the probability that the sample hits one of them.
-
-    Attributes:
-        fraction: share of the table's rows drawn per save, in [0, 1]. The default 0.1% costs
-            about a tenth of writing a 1% delta (hashing runs ~5x faster than writing).
-        min_rows: rows drawn at least, >= 1, so a small table still gets a useful sample.
-    """
-
-    fraction: float = 0.001
-    min_rows: int = 1024
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.fraction <= 1:
-            raise ValueError(f"fraction must be in [0, 1], got {self.fraction!r}")
-        if not isinstance(self.min_rows, int) or self.min_rows < 1:
-            raise ValueError(f"min_rows must be a positive int, got {self.min_rows!r}")
-
-    def sample_size(self, rows: int) -> int:
-        """Rows to draw from a table of ``rows`` rows."""
-        return min(rows, max(self.min_rows, math.ceil(self.fraction * rows)))
-
-
-class TableMode(enum.Enum):
-    """Whether a table's marks can stand for its change set."""
-
-    OFF = "off"  # no mask: the next save hashes the table and starts recording
-    STARTING = "starting"  # recording since a hashing scan whose save has not committed
-    ON = "on"  # the marks (plus pending ones) cover every change since the last commit
-    HASHING = "hashing"  # the canary found an unmarked change: hash this table from now on
-
-
-class TrackedTable:
-    """One tracked table: its flat keys, its marks, and the optimizer that may hold its state.
-
-    Args:
-        keys: the flat keys of the table (several when the parameter is tied under two names).
-        param: the parameter, to find its optimizer state; None for a key marked by hand.
-        optimizer: an optimizer that may update ``param``, and its flat-key prefix.
-        canary: the canary's sample size.
-    """
-
-    def __init__(
-        self,
-        keys: tuple[str, ...],
-        param: torch.Tensor | None,
-        optimizer: tuple[torch.optim.Optimizer, str] | None,
-        canary: Canary,
-    ):
-        self.keys = keys
-        self.param = param
-        self.optimizer = optimizer
-        self.canary = canary
-        self.mode = TableMode.OFF
-        self.mask: torch.Tensor | None = None
-        # Rows taken from the mask by scans whose saves have not committed: a failed save's rows
-        # reach the next save through here.
-        self.pending: torch.Tensor | None = None
-
-    @property
-    def name(self) -> str:
-        return self.keys[0]
-
-    def mark(self, ids: torch.Tensor, rows: int | None = None) -> None:
-        """Marks rows ``ids``; ``rows``, when given, is the table's current row count."""
-        mask = self.mask
-        if mask is None:
-            return
-        if rows is not None and rows != mask.shape[0]:
-            # The table was resized: its marks mean nothing now, and an id past the old end
-            # would be lost, so the next save hashes it.
-            self.stop()
-            return
-        if mask.device != ids.device:
-            mask = self.mask = mask.to(ids.device)
-        kernels.mark_rows(mask, ids.reshape(-1))
-
-    def begin(self, rows: int, device: torch.device) -> None:
-        """Drops every mark and records from now on into a mask of ``rows`` rows on ``device``."""
-        if self.mask is not None and self.mask.shape[0] == rows and self.mask.device == device:
-            self.mask.zero_()
-        else:
-            self.mask = torch.zeros(rows, dtype=torch.bool, device=device)
-        self.pending = None
-
-    def take(self) -> torch.Tensor:
-        """The rows marked since the last take, with those of uncommitted saves: sorted, unique
-        int64 ids on the CPU. They stay pending until :meth:`settle`."""
-        assert self.mask is not None, "take() needs a table in mode ON"
-        marked = self.mask.nonzero().flatten()
-        # Clearing just the taken rows costs O(changed); marks made after the nonzero pass stay.
-        self.mask.index_fill_(0, marked, False)
-        ids = marked.cpu()
-        if self.pending is not None and self.pending.numel():
-            ids = torch.unique(torch.cat([self.pending, ids]))
-        self.pending = ids
-        return ids
-
-    def settle(self) -> None:
-        """Forgets the pending rows: the save that took them committed."""
-        self.pending = None
-
-    def stop(self) -> None:
-        """Stops recording; the next save hashes the table (``mode`` OFF, or stays HASHING)."""
-        self.mask = None
-        self.pending = None
-        if self.mode is not TableMode.HASHING:
-            self.mode = TableMode.OFF
 
 
 @dataclass(frozen=True)
@@ -269,7 +136,7 @@ class RowTracker:
             keys = tuple(_join(prefix, n) for n in names.get(id(p), [name]))
             return self._register(keys, p, opt, canary)
 
-        ebc = _ebc_interface()
+        ebc = lookups.collection_type()
         hooks: list[RemovableHandle] = []
         keys: list[str] = []
         covered: list[str] = []  # TorchRec collections hooked whole: skip their children
@@ -279,16 +146,15 @@ class RowTracker:
             if ebc is not None and isinstance(mod, ebc):
                 covered.append(mod_name)
                 by_feature = {}
-                for cfg in mod.embedding_bag_configs():
-                    t = table(mod.embedding_bags[cfg.name].weight,
-                              _dotted(mod_name, f"embedding_bags.{cfg.name}.weight"))
+                for weight, name, features in lookups.collection_tables(mod):
+                    t = table(weight, _dotted(mod_name, name))
                     keys.extend(t.keys)
-                    by_feature.update({f: t for f in cfg.feature_names or [cfg.name]})
-                hooks.append(self._hook(mod, _collection_hook(by_feature)))
+                    by_feature.update(dict.fromkeys(features, t))
+                hooks.append(self._hook(mod, lookups.collection_hook(by_feature)))
             elif isinstance(mod, (nn.Embedding, nn.EmbeddingBag)):
                 t = table(mod.weight, _dotted(mod_name, "weight"))
                 keys.extend(t.keys)
-                hooks.append(self._hook(mod, _lookup_hook(t)))
+                hooks.append(self._hook(mod, lookups.lookup_hook(t)))
         log.debug("tracking %d tables of %s: %s", len(keys), type(model).__name__, keys)
         return TrackHandle(tuple(keys), self, hooks)
 
@@ -383,7 +249,7 @@ class RowTracker:
             self._tables[k] = t
         return t
 
-    def _hook(self, mod: nn.Module, hook: Any) -> RemovableHandle:
+    def _hook(self, mod: nn.Module, hook: lookups.Hook) -> RemovableHandle:
         old = self._hooks.pop(id(mod), None)
         if old is not None:
             old.remove()
@@ -398,41 +264,6 @@ def _join(prefix: str, name: str) -> str:
 
 def _dotted(module: str, name: str) -> str:
     return f"{module}.{name}" if module else name
-
-
-def _lookup_hook(table: TrackedTable) -> Any:
-    def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        ids = args[0] if args else kwargs["input"]
-        table.mark(ids, mod.weight.shape[0])
-
-    return hook
-
-
-def _collection_hook(by_feature: Mapping[str, TrackedTable]) -> Any:
-    def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        kjt = args[0] if args else kwargs["features"]
-        for feature, ids in _feature_ids(kjt):
-            t = by_feature.get(feature)
-            if t is not None:
-                t.mark(ids)
-
-    return hook
-
-
-def _feature_ids(kjt: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(feature, ids) of a KeyedJaggedTensor, from its public API."""
-    if not all(callable(getattr(kjt, a, None)) for a in ("keys", "values", "length_per_key")):
-        raise StateError(
-            f"a tracked EmbeddingBagCollection got a {type(kjt).__name__}; tracking reads "
-            "KeyedJaggedTensor inputs only (keys(), values(), length_per_key())"
-        )
-    return zip(kjt.keys(), torch.split(kjt.values(), kjt.length_per_key()), strict=True)
-
-
-def _ebc_interface() -> type | None:
-    """TorchRec's EmbeddingBagCollectionInterface if torchrec is imported, else None."""
-    mod = sys.modules.get("torchrec.modules.embedding_modules")
-    return getattr(mod, "EmbeddingBagCollectionInterface", None)
 
 
 def _param_index(opt: torch.optim.Optimizer, param: torch.Tensor) -> int | None:

@@ -1,0 +1,372 @@
+"""Row tracking: marks from lookups give the same change sets as full hashing, the canary notices
+unmarked updates, marks carry over uncommitted saves, and the TorchRec adapter reads KJTs."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from deltackpt import StateError
+from deltackpt.changes import ChangeTracker
+from deltackpt.marks import Canary, TableMode
+from deltackpt.statetree import key_part
+from deltackpt.tracking import RowTracker
+
+ROWS = 300
+DIM = 8
+CHUNK = 64  # bytes: 16 fp32 values per dense chunk, so 1-D row state has many chunks
+
+
+class Towers(nn.Module):
+    """Three tables fed as a DLRM feeds them: a bag with 1-D ids and offsets, a bag with 2-D ids,
+    and a plain embedding with 2-D ids; then a small dense layer."""
+
+    def __init__(self, sparse: bool = True, padding_idx: int | None = None):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=sparse)
+        self.bag2d = nn.EmbeddingBag(ROWS + 7, DIM, mode="mean", sparse=sparse)
+        self.emb = nn.Embedding(ROWS - 5, DIM, sparse=sparse, padding_idx=padding_idx)
+        self.top = nn.Linear(3 * DIM, 1)
+
+    def forward(self, flat: torch.Tensor, offsets: torch.Tensor, ids2d: torch.Tensor,
+                tokens: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([self.bag(flat, offsets), self.bag2d(ids2d), self.emb(tokens).sum(1)], 1)
+        return self.top(x).sum()
+
+
+def skewed(gen: torch.Generator, n: int, rows: int) -> torch.Tensor:
+    """Power-law-ish ids: a few hot rows, a long cold tail."""
+    return (torch.rand(n, generator=gen) ** 3 * rows).long()
+
+
+def batch(gen: torch.Generator, batch_size: int = 6) -> tuple[torch.Tensor, ...]:
+    lengths = torch.randint(1, 5, (batch_size,), generator=gen)
+    flat = skewed(gen, int(lengths.sum()), ROWS)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
+    ids2d = skewed(gen, batch_size * 3, ROWS + 7).view(batch_size, 3).int()  # int32 ids too
+    tokens = skewed(gen, batch_size * 2, ROWS - 5).view(batch_size, 2)
+    return flat, offsets, ids2d, tokens
+
+
+class RowWiseAdagrad(torch.optim.Optimizer):
+    """DLRM's row-wise Adagrad: one accumulator value per row (a 1-D state aligned with the
+    table), updating only the rows in the sparse gradient."""
+
+    def __init__(self, params, lr: float = 0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad.coalesce()
+                ids, vals = g.indices()[0], g.values()
+                acc = self.state[p].setdefault("sum", torch.zeros(p.shape[0]))
+                acc.index_add_(0, ids, vals.pow(2).mean(1))
+                p.index_add_(0, ids, -group["lr"] * vals / (acc[ids].sqrt() + 1e-8)[:, None])
+
+
+def optimizers(kind: str, model: Towers) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+    tables = [model.bag.weight, model.bag2d.weight, model.emb.weight]
+    sparse = {
+        "sgd": lambda: torch.optim.SGD(tables, lr=0.5),
+        "adagrad": lambda: torch.optim.Adagrad(tables, lr=0.5),
+        "sparse_adam": lambda: torch.optim.SparseAdam(tables, lr=0.05),
+        "rowwise_adagrad": lambda: RowWiseAdagrad(tables),
+    }[kind]()
+    return sparse, torch.optim.SGD(model.top.parameters(), lr=0.1)
+
+
+def flat_state(model: nn.Module, opt: torch.optim.Optimizer, dense: torch.optim.Optimizer,
+               ) -> dict[str, torch.Tensor]:
+    """The flat keys a save of ``{"model": model, "optim": opt, "dense": dense}`` uses, built by
+    hand from the documented scheme."""
+    out = {f"model/{key_part(k)}": v.detach() for k, v in model.state_dict().items()}
+    for prefix, o in (("optim", opt), ("dense", dense)):
+        for i, st in o.state_dict()["state"].items():
+            out.update({f"{prefix}/state/{i}/{key_part(n)}": v for n, v in st.items()
+                        if isinstance(v, torch.Tensor)})
+    return out
+
+
+def train_step(model: Towers, opts, gen: torch.Generator) -> None:
+    for o in opts:
+        o.zero_grad()
+    model(*batch(gen)).backward()
+    for o in opts:
+        o.step()
+
+
+def same_changes(got, want) -> None:
+    assert set(got) == set(want)
+    for key in want:
+        g, w = got[key].changed, want[key].changed
+        assert (g is None) == (w is None), key
+        if w is not None:
+            assert torch.equal(g, w), f"{key}: marks {g.tolist()} != hashes {w.tolist()}"
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adagrad", "sparse_adam", "rowwise_adagrad"])
+def test_marks_give_the_hashes_change_sets(kind, caplog):
+    gen = torch.Generator().manual_seed(1)
+    torch.manual_seed(1)
+    model = Towers()
+    opt, dense = optimizers(kind, model)
+    tracked = ChangeTracker(CHUNK)
+    # A sample as large as the table (~63% of the rows, drawn with replacement) on every
+    # save: proves the hashes kept for unmarked rows stay current.
+    handle = tracked.rows.track(model, prefix="model", optimizer=opt, canary=Canary(fraction=1.0))
+    assert handle.keys == ("model/bag.weight", "model/bag2d.weight", "model/emb.weight")
+    oracle = ChangeTracker(CHUNK)
+    aligned = set()
+    for step in range(7):
+        if step:
+            train_step(model, (opt, dense), gen)
+        tensors = flat_state(model, opt, dense)
+        got, want = tracked.scan(tensors), oracle.scan(tensors)
+        same_changes(got, want)
+        if step >= 2:  # from the second save on, tables and optimizer state use marks
+            partial = {k for k, c in got.items() if c.partial}
+            table_state = {k for k in tensors if k.startswith("optim/state/") and
+                           not k.endswith("/step")}
+            assert partial == set(handle.keys) | table_state
+            aligned |= table_state
+        tracked.adopt(tensors, got)
+        oracle.adopt(tensors, want)
+    assert bool(aligned) == (kind != "sgd")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_canary_notices_weight_decay(caplog):
+    gen = torch.Generator().manual_seed(2)
+    torch.manual_seed(2)
+    model = Towers(sparse=False)
+    opt = torch.optim.AdamW([model.bag.weight, model.bag2d.weight, model.emb.weight],
+                            lr=0.01, weight_decay=0.1)
+    dense = torch.optim.SGD(model.top.parameters(), lr=0.1)
+    tracked, oracle = ChangeTracker(CHUNK), ChangeTracker(CHUNK)
+    tracked.rows.track(model, prefix="model", optimizer=opt)
+    for step in range(4):
+        if step:
+            train_step(model, (opt, dense), gen)
+        tensors = flat_state(model, opt, dense)
+        with caplog.at_level(logging.WARNING, logger="deltackpt.changes"):
+            got, want = tracked.scan(tensors), oracle.scan(tensors)
+        same_changes(got, want)  # exact all the same
+        tracked.adopt(tensors, got)
+        oracle.adopt(tensors, want)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    # The first delta (step 2) catches it, once per table; after that the tables hash.
+    assert len(warned) == 3
+    for key in ("model/bag.weight", "model/bag2d.weight", "model/emb.weight"):
+        assert sum(repr(key) in w for w in warned) == 1
+    assert all(t.mode is TableMode.HASHING for t in tracked.rows.tables())
+
+
+def test_uncommitted_marks_reach_the_next_save():
+    table = torch.zeros(50, 4)
+    ct = ChangeTracker(CHUNK)
+    ct.rows.mark("t", torch.tensor([1]))  # before the first save: the base hashes anyway
+    ch = ct.scan({"t": table})
+    assert ch["t"].changed is None
+    ct.adopt({"t": table}, ch)
+    table[[3, 9]] += 1
+    ct.rows.mark("t", torch.tensor([9, 3, 3]))
+    failed = ct.scan({"t": table})  # this save fails: no adopt
+    assert failed["t"].changed.tolist() == [3, 9]
+    table[20] += 1
+    ct.rows.mark("t", torch.tensor([20], dtype=torch.int32))
+    ch = ct.scan({"t": table})
+    assert ch["t"].partial and ch["t"].changed.tolist() == [3, 9, 20]
+    ct.adopt({"t": table}, ch)
+    ch = ct.scan({"t": table})
+    assert ch["t"].changed.tolist() == []
+
+
+def test_empty_table():
+    table = torch.zeros(0, 4)
+    ct = ChangeTracker(CHUNK)
+    ct.rows.mark("t", torch.tensor([], dtype=torch.long))
+    ct.adopt({"t": table}, ct.scan({"t": table}))
+    ch = ct.scan({"t": table})
+    assert ch["t"].partial and ch["t"].changed.tolist() == []
+
+
+def test_restore_restarts_marks():
+    table = torch.zeros(40, 4)
+    ct = ChangeTracker(CHUNK)
+    ct.rows.mark("t", torch.tensor([0]))
+    ct.adopt({"t": table}, ct.scan({"t": table}))
+    ct.rows.mark("t", torch.tensor([5]))
+    ct.scan({"t": table})  # a failed save leaves row 5 pending
+    restored = torch.ones(40, 4)
+    ct.reset({"t": restored})
+    ch = ct.scan({"t": restored})
+    assert ch["t"].partial and ch["t"].changed.tolist() == []
+
+
+def test_padding_rows_are_marked_harmlessly():
+    gen = torch.Generator().manual_seed(3)
+    model = Towers(padding_idx=0)
+    opt, dense = optimizers("adagrad", model)
+    tracked, oracle = ChangeTracker(CHUNK), ChangeTracker(CHUNK)
+    tracked.rows.track(model, optimizer=opt)
+    for step in range(3):
+        if step:
+            train_step(model, (opt, dense), gen)
+        tensors = flat_state(model, opt, dense)
+        got, want = tracked.scan(tensors), oracle.scan(tensors)
+        for key, w in want.items():
+            if w.changed is not None:
+                extra = set(got[key].changed.tolist()) - set(w.changed.tolist())
+                assert extra <= ({0} if key.endswith("emb.weight") or "/2/" in key else set())
+        tracked.adopt(tensors, got)
+        oracle.adopt(tensors, want)
+
+
+def test_resized_table_is_hashed_again():
+    model = nn.Sequential(nn.Embedding(30, 4))
+    ct = ChangeTracker(CHUNK)
+    ct.rows.track(model, prefix="")
+    tensors = {"0.weight": model[0].weight.detach()}
+    ct.adopt(tensors, ct.scan(tensors))
+    model[0] = nn.Embedding(60, 4)  # a new, larger table under the same name: not hooked
+    model[0](torch.tensor([59]))
+    tensors = {"0.weight": model[0].weight.detach()}
+    assert ct.scan(tensors)["0.weight"].changed is None
+
+
+def test_remove_stops_marking_and_warns_on_a_wrong_prefix(caplog):
+    model = nn.Sequential(nn.EmbeddingBag(20, 4))
+    rows = RowTracker()
+    handle = rows.track(model, prefix="net")
+    with caplog.at_level(logging.WARNING, logger="deltackpt.tracking"):
+        assert rows.resolve({"model/0.weight": model[0].weight}) == []
+        rows.resolve({"model/0.weight": model[0].weight})
+    assert [r.getMessage().count("'net/0.weight'") for r in caplog.records] == [1]
+    handle.remove()
+    assert rows.tables() == [] and not model[0]._forward_hooks
+
+
+def test_tracking_twice_replaces_the_hook():
+    model = nn.Sequential(nn.Embedding(20, 4))
+    rows = RowTracker()
+    rows.track(model)
+    opt = torch.optim.Adagrad(model.parameters())
+    rows.track(model, optimizer=opt)
+    assert len(model[0]._forward_hooks) == 1
+    (table,) = rows.tables()
+    assert table.optimizer == (opt, "optim")
+
+
+def test_mark_rejects_float_ids():
+    with pytest.raises(StateError, match="int64 or int32"):
+        RowTracker().mark("t", torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="fraction"):
+        Canary(fraction=2.0)
+    assert Canary(fraction=0.01, min_rows=5).sample_size(1000) == 10
+    assert Canary().sample_size(100) == 100
+
+
+# -- TorchRec adapter, against a stand-in for torchrec's public API ------------------------------
+
+
+class FakeKJT:
+    """The part of torchrec's KeyedJaggedTensor the adapter may use."""
+
+    def __init__(self, keys: list[str], values: torch.Tensor, lengths: torch.Tensor):
+        self._keys, self._values, self._lengths = keys, values, lengths
+
+    def keys(self) -> list[str]:
+        return self._keys
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def lengths(self) -> torch.Tensor:
+        return self._lengths
+
+    def offsets(self) -> torch.Tensor:
+        return torch.cat([torch.zeros(1, dtype=torch.long), self._lengths.cumsum(0)])
+
+    def length_per_key(self) -> list[int]:
+        return self._lengths.view(len(self._keys), -1).sum(1).tolist()
+
+
+@pytest.fixture
+def fake_torchrec(monkeypatch):
+    """Registers a module named as torchrec's, holding EmbeddingBagCollectionInterface."""
+    mod = types.ModuleType("torchrec.modules.embedding_modules")
+
+    class EmbeddingBagCollectionInterface(nn.Module):
+        pass
+
+    class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
+        """Like torchrec's: an nn.EmbeddingBag per table, called per feature; ``fused`` reads the
+        weights directly, as FusedEmbeddingBagCollection does."""
+
+        def __init__(self, tables: dict[str, list[str]], fused: bool = False):
+            super().__init__()
+            self._configs = [types.SimpleNamespace(name=n, feature_names=f)
+                             for n, f in tables.items()]
+            self.embedding_bags = nn.ModuleDict({n: nn.EmbeddingBag(40, 4) for n in tables})
+            self.fused = fused
+
+        def embedding_bag_configs(self):
+            return self._configs
+
+        def forward(self, features: FakeKJT | dict) -> torch.Tensor:
+            if isinstance(features, dict):  # torchrec takes a TensorDict too
+                return torch.zeros(1, 4)
+            values = dict(zip(features.keys(), torch.split(features.values(),
+                                                           features.length_per_key())))
+            out = []
+            for cfg in self._configs:
+                bag = self.embedding_bags[cfg.name]
+                for f in cfg.feature_names:
+                    if self.fused:
+                        out.append(nn.functional.embedding_bag(values[f], bag.weight,
+                                                               torch.tensor([0])))
+                    else:
+                        out.append(bag(values[f], torch.tensor([0])))
+            return torch.cat(out, 1)
+
+    mod.EmbeddingBagCollectionInterface = EmbeddingBagCollectionInterface
+    mod.EmbeddingBagCollection = EmbeddingBagCollection
+    monkeypatch.setitem(sys.modules, "torchrec.modules.embedding_modules", mod)
+    return mod
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_torchrec_collection_marks_by_feature(fake_torchrec, fused):
+    model = nn.Module()
+    model.sparse = fake_torchrec.EmbeddingBagCollection({"t1": ["f1", "f2"], "t2": ["f3"]}, fused)
+    ct = ChangeTracker(CHUNK)
+    handle = ct.rows.track(model, prefix="model")
+    assert handle.keys == ("model/sparse.embedding_bags.t1.weight",
+                           "model/sparse.embedding_bags.t2.weight")
+    # The collection's own nn.EmbeddingBag modules are not hooked a second time.
+    assert not any(b._forward_hooks for b in model.sparse.embedding_bags.values())
+    tensors = {f"model/{key_part(k)}": v.detach() for k, v in model.state_dict().items()}
+    ct.adopt(tensors, ct.scan(tensors))
+    kjt = FakeKJT(["f1", "f2", "f3"], torch.tensor([1, 2, 7, 7, 30, 5]),
+                  torch.tensor([2, 0, 1, 1, 1, 1]))
+    model.sparse(kjt)
+    marked = {t.name: t.mask.nonzero().flatten().tolist() for t in ct.rows.tables()}
+    assert marked == {"model/sparse.embedding_bags.t1.weight": [1, 2, 7],
+                      "model/sparse.embedding_bags.t2.weight": [5, 30]}
+
+
+def test_torchrec_collection_rejects_other_inputs(fake_torchrec):
+    ebc = fake_torchrec.EmbeddingBagCollection({"t1": ["f1"]})
+    rows = RowTracker()
+    rows.track(ebc, prefix="")
+    with pytest.raises(StateError, match="KeyedJaggedTensor"):
+        ebc({"f1": torch.tensor([1])})
