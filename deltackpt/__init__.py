@@ -33,6 +33,7 @@ from .errors import (
     StorageFullError,
     StoreError,
 )
+from .hooks import CheckpointHook, HookClosedError
 from .policy import BasePolicy, Decision, EveryK
 from .sharding import Shard
 from .storage import LocalStorage, Storage
@@ -43,11 +44,13 @@ __all__ = [
     "BrokenChainError",
     "Canary",
     "CheckpointAborted",
+    "CheckpointHook",
     "Checkpointer",
     "Decision",
     "DeltackptError",
     "DtypeMismatchError",
     "EveryK",
+    "HookClosedError",
     "IntegrityError",
     "KeyMismatchError",
     "LocalStorage",
