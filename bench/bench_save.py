@@ -1,0 +1,455 @@
+"""Save and load cost of deltackpt against the disk and against torch.save/torch.load.
+
+One run measures, on one table of ``--rows`` x ``--dim`` float32 (default 4,194,304 x 128 = 2 GiB),
+every operation below ``--repeat`` times, interleaved round by round so that drift on this noisy
+VM hits all of them alike, and reports medians:
+
+  disk        write a fresh file of the state's size in 64 MiB pieces + fsync; read it back
+              after posix_fadvise(DONTNEED) on that file, into a pre-faulted buffer
+  torch       torch.save(state) + fsync of the file and its folder; torch.load of it (evicted)
+  deltackpt   base save (the first save of a fresh store), a delta save after 1% of the rows
+              (random) changed by a small perturbation (+1e-4..2e-4 on N(0, 0.01) values), found
+              by the row hashes alone (no marks), a delta save with nothing changed; the change
+              scan alone (kernels.hash_rows, XXH64 of every row: a delta save's floor);
+              Checkpointer.load of the base step and of the delta step and Checkpointer.restore
+              of the delta step into a pre-allocated state (files evicted before each)
+
+Every loaded, read or restored tensor is compared bit for bit (integer views) with what was
+saved, and every save's kind and changed-row count are checked, so the bench doubles as an
+end-to-end correctness check; any mismatch aborts with an error.
+
+Memory on this VM (see the baselines' "cold guest memory" notes): idle guest memory goes back to
+the host within seconds and touching it again runs at ~0.4 GB/s instead of ~14 GB/s. The bench
+therefore holds touched "reserve" memory of 2.2x the state's size between operations and, right
+before each timed operation, frees the part of it that the operation will allocate (page cache of
+the files it writes or reads, result tensors: 1.1x the state for saves, writes, reads and restore,
+2.1x for torch.load and Checkpointer.load, 0.2x for delta saves and hashing), so that memory is
+warm; after the operation its files are evicted from the page cache and the reserve is touched
+again. Files are evicted with posix_fadvise(DONTNEED) on the bench's own scratch files only. Peak
+memory is about 5.2x the state: the state, the restore target, one loaded copy and the reserve.
+
+The machine may be shared: the bench prints how much user-space CPU time other processes used
+during the rounds, since that slows every operation (a halved hash rate is the usual sign).
+
+Scratch files live in a fresh temporary folder under ``--dir`` and are removed at the end, also
+on an error.
+
+Printed last, after the goal checks, a markdown table: op; median seconds; state GB/s (state
+bytes / median seconds, the same numerator on every row so the column compares like with like);
+ratio of the median to torch.save's median (saves, writes, hashing) or torch.load's (loads,
+reads); bytes the op wrote (files created, including metadata and commit records); every round.
+
+Example:
+    python bench/bench_save.py                      # 2 GiB state, 3 rounds
+    python bench/bench_save.py --rows 1048576 --repeat 5 --dir /var/tmp
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+import deltackpt
+from deltackpt import kernels
+
+MiB = 1 << 20
+PIECE = 64 * MiB
+DELTA_FRACTION = 0.01
+PERTURBATION = 1e-4  # times U[1, 2), added to the changed rows; far above an ulp of their values
+
+
+def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Prints one line per round, then the goal checks and, last, a markdown table of medians.",
+    )
+    p.add_argument("--rows", type=int, default=4_194_304, help="rows of the table (default %(default)s)")
+    p.add_argument("--dim", type=int, default=128, help="float32 values per row (default %(default)s)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="timed rounds; medians are reported (default %(default)s)")
+    p.add_argument("--dir", default="/tmp", help="folder for the scratch folder (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
+    p.add_argument("--chunk-mib", type=int, default=32,
+                   help="Checkpointer chunk_bytes in MiB (default %(default)s)")
+    p.add_argument("--io-threads", type=int, default=4, help="Checkpointer io_threads (default %(default)s)")
+    args = p.parse_args(argv)
+    if args.rows < 100 or args.dim < 1 or args.repeat < 1:
+        p.error("need --rows >= 100, --dim >= 1, --repeat >= 1")
+    return args
+
+
+# -- memory and page cache -------------------------------------------------------------------------
+
+
+class Reserve:
+    """Touched memory held between operations; the part an operation needs is freed right before it.
+
+    Held in 128 MiB pieces so that only what the next operation will allocate is freed: freed
+    memory that stays unused goes back to the host within seconds and is slow to touch again.
+    """
+
+    PIECE = 128 * MiB
+
+    def __init__(self, nbytes: int):
+        self.pieces = -(-nbytes // self.PIECE)
+        self._held: list[np.ndarray] = []
+        self.hold()
+
+    def hold(self) -> None:
+        while len(self._held) < self.pieces:
+            a = np.empty(self.PIECE, dtype=np.uint8)
+            a.fill(1)
+            self._held.append(a)
+
+    def free(self, nbytes: int) -> None:
+        for _ in range(min(len(self._held), -(-nbytes // self.PIECE))):
+            self._held.pop()
+
+
+def _files(path: str) -> list[str]:
+    if os.path.isfile(path):
+        return [path]
+    return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+
+
+def evict(path: str) -> None:
+    """Drops one file, or every file below a folder, from the page cache (our own files only)."""
+    for p in _files(path):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def tree_bytes(path: str) -> int:
+    return sum(os.path.getsize(p) for p in _files(path)) if os.path.exists(path) else 0
+
+
+def cpu_seconds() -> tuple[float, float] | None:
+    """(user-space CPU seconds of the whole machine, of this process) so far; None off Linux.
+
+    User time only: the kernel work this bench itself causes (block I/O, journal commits, free
+    page reporting after it frees memory) runs in kernel threads and would count as "others".
+    """
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (v[0] + v[1]) / os.sysconf("SC_CLK_TCK"), os.times().user
+
+
+def others_cpu(start: tuple[float, float] | None, end: tuple[float, float] | None) -> float | None:
+    """User-space CPU seconds other processes used between two :func:`cpu_seconds` readings."""
+    if start is None or end is None:
+        return None
+    return max(0.0, (end[0] - start[0]) - (end[1] - start[1]))
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- checks -----------------------------------------------------------------------------------------
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """An integer view of a float tensor, so that comparisons are bitwise (NaN, -0.0)."""
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def check_equal(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    if got.shape != want.shape or got.dtype != want.dtype or not torch.equal(bits(got), bits(want)):
+        raise AssertionError(f"{what}: not bit-identical to the saved tensor")
+
+
+def check_base(what: str, got: torch.Tensor, now: torch.Tensor, ids: torch.Tensor,
+               before: torch.Tensor) -> None:
+    """``got`` must equal the state as it was at the base: ``now`` with rows ``ids`` = ``before``.
+
+    Overwrites rows ``ids`` of ``got`` (a loaded copy, discarded afterwards) to compare the rest.
+    """
+    check_equal(what + " (changed rows, old values)", got[ids], before)
+    got[ids] = now[ids]
+    check_equal(what + " (other rows)", got, now)
+
+
+# -- one round --------------------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, scratch: str):
+        self.args = args
+        self.scratch = scratch
+        self.times: dict[str, list[float]] = {}
+        self.written: dict[str, int] = {}
+        self.extra: dict[str, Any] = {}
+        g = torch.Generator().manual_seed(args.seed)
+        t0 = time.perf_counter()
+        table = torch.empty(args.rows, args.dim, dtype=torch.float32)
+        piece = max(1, (64 * MiB) // (args.dim * 4))
+        for lo in range(0, args.rows, piece):  # in pieces: one normal_ over 2 GiB is much slower
+            table[lo:lo + piece].normal_(0.0, 0.01, generator=g)
+        self.table = table
+        self.state = {"emb": table}
+        self.nbytes = table.numel() * table.element_size()
+        # The restore target and read buffer: allocated and touched once, reused by every round.
+        self.target = torch.full_like(table, float("nan"))
+        self.gen = g
+        self.reserve = Reserve(int(2.2 * self.nbytes))
+        self.n_changed = max(1, round(DELTA_FRACTION * args.rows))
+        print(f"deltackpt from {os.path.dirname(deltackpt.__file__)}; torch {torch.__version__}, "
+              f"{os.cpu_count()} CPUs")
+        print(f"state: {args.rows} x {args.dim} float32 = {self.nbytes / 2**30:.3f} GiB "
+              f"(made in {time.perf_counter() - t0:.1f} s); scratch folder {scratch}", flush=True)
+
+    def timed(self, op: str, fn: Callable[[], Any], written: Callable[[Any], int] | None = None,
+              *, copies: float = 1.0) -> Any:
+        """Times ``fn()`` after freeing the reserve memory it needs; ``copies``: the fresh memory it
+        touches (page cache, results) in state sizes. Call :meth:`settle` after it."""
+        self.reserve.free(int((copies + 0.1) * self.nbytes))
+        t0 = time.perf_counter()
+        result = fn()
+        dt = time.perf_counter() - t0
+        self.times.setdefault(op, []).append(dt)
+        if written is not None:
+            self.written[op] = written(result)
+        return result
+
+    def settle(self, *paths: str) -> None:
+        """Evicts ``paths`` from the page cache and touches the reserve again."""
+        for p in paths:
+            if os.path.exists(p):
+                evict(p)
+        self.reserve.hold()
+
+    # -- disk ---------------------------------------------------------------------------------------
+
+    def disk(self, r: int) -> None:
+        path = os.path.join(self.scratch, f"disk-{r}.bin")
+        src = memoryview(self.table.reshape(-1).view(torch.uint8).numpy())
+
+        def write() -> int:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                for off in range(0, len(src), PIECE):
+                    part = src[off:off + PIECE]
+                    while part:
+                        part = part[os.write(fd, part):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            fsync_dir(self.scratch)
+            return os.path.getsize(path)
+
+        self.timed("disk write + fsync (64 MiB pieces)", write, lambda n: n)
+        self.settle(path)
+
+        dst = memoryview(self.target.reshape(-1).view(torch.uint8).numpy())
+
+        def read() -> int:
+            done = 0
+            with open(path, "rb", buffering=0) as f:
+                while done < len(dst):
+                    n = f.readinto(dst[done:done + PIECE])
+                    if not n:
+                        break
+                    done += n
+            return done
+
+        n = self.timed("disk read (evicted, pre-faulted buffer)", read)
+        if n != self.nbytes:
+            raise AssertionError(f"disk read: {n} bytes, wrote {self.nbytes}")
+        check_equal("disk read", self.target, self.table)
+        os.unlink(path)
+        self.settle()
+
+    # -- torch.save / torch.load ------------------------------------------------------------------
+
+    def torch_io(self, r: int) -> None:
+        path = os.path.join(self.scratch, f"torch-{r}.pt")
+
+        def save() -> int:
+            with open(path, "xb") as f:
+                torch.save(self.state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_dir(self.scratch)
+            return os.path.getsize(path)
+
+        self.timed("torch.save + fsync", save, lambda n: n)
+        self.settle(path)
+        loaded = self.timed("torch.load (evicted)", lambda: torch.load(path, weights_only=True),
+                            copies=2)
+        check_equal("torch.load", loaded["emb"], self.table)
+        del loaded
+        os.unlink(path)
+        self.settle()
+
+    # -- deltackpt ----------------------------------------------------------------------------------
+
+    def deltackpt(self, r: int) -> None:
+        a = self.args
+        store = os.path.join(self.scratch, f"store-{r}")
+        ckpt = deltackpt.Checkpointer(store, base_every=1_000_000, chunk_bytes=a.chunk_mib * MiB,
+                                      io_threads=a.io_threads)
+        try:
+            size0 = tree_bytes(store)
+
+            def saved(info: deltackpt.SaveInfo) -> int:
+                nonlocal size0
+                size1 = tree_bytes(store)
+                n, size0 = size1 - size0, size1
+                return n
+
+            base = self.timed("deltackpt base save", lambda: ckpt.save(0, self.state), saved)
+            if base.kind != "base":
+                raise AssertionError(f"the first save of a fresh store was a {base.kind}")
+            self.settle(store)
+
+            # Change 1% of the rows, at random, by a small perturbation (untimed); keep their old
+            # values to check the base step later.
+            ids = torch.randperm(a.rows, generator=self.gen)[: self.n_changed].sort().values
+            before = self.table[ids]
+            bump = PERTURBATION * (1 + torch.rand(self.n_changed, a.dim, generator=self.gen))
+            self.table.index_add_(0, ids, bump)
+            self.settle()
+
+            delta = self.timed("deltackpt 1% delta save", lambda: ckpt.save(1, self.state), saved,
+                               copies=0.1)
+            if delta.kind != "delta" or delta.rows_changed != self.n_changed:
+                raise AssertionError(f"1% delta save: {delta.kind} with {delta.rows_changed} rows "
+                                     f"changed, expected a delta of {self.n_changed}")
+            self.extra.setdefault("delta_info_bytes", []).append(delta.bytes_written)
+            self.settle(store)
+
+            same = self.timed("deltackpt no-change delta save", lambda: ckpt.save(2, self.state), saved,
+                              copies=0.1)
+            if same.kind != "delta" or same.rows_changed != 0:
+                raise AssertionError(f"no-change save: {same.kind} with {same.rows_changed} rows")
+            self.settle(store)
+
+            # The change scan alone, in the same conditions as the delta saves just timed.
+            self.timed("hash_rows alone (change scan)", lambda: kernels.hash_rows(self.table), copies=0.1)
+            self.settle()
+
+            got = self.timed("deltackpt load base step", lambda: ckpt.load(0), copies=2)
+            check_base("load of the base step", got["emb"], self.table, ids, before)
+            del got
+            self.settle(store)
+
+            got = self.timed("deltackpt load 1% delta step", lambda: ckpt.load(1), copies=2)
+            check_equal("load of the delta step", got["emb"], self.table)
+            del got
+            self.settle(store)
+
+            self.target.fill_(float("nan"))
+            into = {"emb": self.target}
+            self.settle(store)
+            step_back = self.timed("deltackpt restore 1% delta step (in place)",
+                                   lambda: ckpt.restore(into, 1))
+            if step_back != 1 or into["emb"] is not self.target:
+                raise AssertionError("restore did not fill the pre-allocated tensor in place")
+            check_equal("restore of the delta step", self.target, self.table)
+        finally:
+            ckpt.close()
+            shutil.rmtree(store, ignore_errors=True)
+        self.settle()
+
+    def round(self, r: int) -> None:
+        t0, c0 = time.perf_counter(), cpu_seconds()
+        self.disk(r)
+        self.torch_io(r)
+        self.deltackpt(r)
+        wall, other = time.perf_counter() - t0, others_cpu(c0, cpu_seconds())
+        self.extra["wall"] = self.extra.get("wall", 0.0) + wall
+        if other is not None:
+            self.extra["other_cpu"] = self.extra.get("other_cpu", 0.0) + other
+        line = ", ".join(f"{op.split(' (')[0]} {ts[-1]:.3f}" for op, ts in self.times.items())
+        busy = "" if other is None else f", other processes {other:.1f} CPU-s"
+        print(f"round {r + 1}/{self.args.repeat} ({wall:.0f} s{busy}): {line}", flush=True)
+
+
+# -- report -----------------------------------------------------------------------------------------
+
+
+def report(b: Bench) -> None:
+    med = {op: statistics.median(ts) for op, ts in b.times.items()}
+    save_ref, load_ref = med["torch.save + fsync"], med["torch.load (evicted)"]
+    print()
+    base, delta = med["deltackpt base save"], med["deltackpt 1% delta save"]
+    paired = [bs / ts for bs, ts in zip(b.times["deltackpt base save"], b.times["torch.save + fsync"])]
+    paired_d = [ds / ts for ds, ts in zip(b.times["deltackpt 1% delta save"], b.times["torch.save + fsync"])]
+    row_bytes = b.args.dim * 4
+    target = b.n_changed * (row_bytes + 8)
+    got = b.written["deltackpt 1% delta save"]
+    info = b.extra["delta_info_bytes"][-1]
+    goals = [
+        ("base save no slower than torch.save", base <= save_ref,
+         f"{base:.3f} s vs {save_ref:.3f} s = {base / save_ref:.2f}x "
+         f"(per round: {', '.join(f'{x:.2f}' for x in paired)})"),
+        ("1% delta save at most 1/5 of torch.save", delta <= save_ref / 5,
+         f"{delta:.3f} s vs {save_ref / 5:.3f} s allowed = {delta / save_ref:.3f}x torch.save "
+         f"(per round: {', '.join(f'{x:.3f}' for x in paired_d)})"),
+    ]
+    for name, ok, detail in goals:
+        print(f"{'PASS' if ok else 'MISS'}: {name}: {detail}")
+    other, wall, cores = b.extra.get("other_cpu"), b.extra["wall"], os.cpu_count() or 1
+    if other is not None:
+        share = other / (wall * cores)
+        print(f"{'WARNING: ' if share > 0.05 else ''}other processes used {other:.1f} user CPU-s during "
+              f"the {wall:.0f} s of rounds ({share:.0%} of {cores} cores); timings are "
+              f"{'skewed by that load' if share > 0.05 else 'not much affected'}")
+    print(f"delta bytes: {got:,} B on disk ({info:,} B of chunks per SaveInfo) vs "
+          f"1% x rows x (row bytes + 8) = {b.n_changed} x {row_bytes + 8} = {target:,} B "
+          f"-> {got / target:.3f}x")
+    print()
+    print(f"Medians of {b.args.repeat} rounds; state {b.nbytes:,} B "
+          f"({b.args.rows} x {b.args.dim} float32); ratio = median / torch.save's median for "
+          f"saves, writes and hashing, / torch.load's for loads and reads.")
+    print()
+    print("| op | s (median) | state GB/s | ratio | bytes written | runs (s) |")
+    print("|---|---|---|---|---|---|")
+    for op, s in med.items():
+        is_save = any(w in op for w in ("save", "write", "hash"))
+        ratio = s / (save_ref if is_save else load_ref)
+        w = b.written.get(op)
+        runs = ", ".join(f"{t:.3f}" for t in b.times[op])
+        print(f"| {op} | {s:.3f} | {b.nbytes / s / 1e9:.2f} | {ratio:.3f} | "
+              f"{'' if w is None else f'{w:,}'} | {runs} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    os.makedirs(args.dir, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix="deltackpt-bench-", dir=args.dir)
+    try:
+        # numba compiles the hash kernel on its first call: do it before anything is timed.
+        kernels.hash_rows(torch.zeros(4, args.dim))
+        b = Bench(args, scratch)
+        for r in range(args.repeat):
+            b.round(r)
+        report(b)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
