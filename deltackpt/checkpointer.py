@@ -27,10 +27,12 @@ from typing import Any
 
 import torch
 
-from . import dtypes, statetree
+from . import dtypes, lease, statetree
 from .changes import ChangeTracker
 from .collectives import Collective
+from .compaction import CompactInfo, compact
 from .errors import KeyMismatchError, StepExistsError, StepNotFoundError
+from .gc import GCReport, Retention, collect
 from .manifest import Manifest
 from .planner import GlobalPlan, ItemInfo, LocalPlan, make_global_plan
 from .policy import BasePolicy, ChainState, EveryK
@@ -89,6 +91,8 @@ class Checkpointer:
         memory_budget: bytes of host staging memory a save or restore may add.
         io_threads: parallel reads and writes per rank.
         create: create the store if absent; if False, a missing store raises StoreError.
+        take_over: take the writer lease even if another job holds it (after that job died);
+            by default a second writer fails with WriterConflictError at its first save.
 
     Example:
         >>> import tempfile, torch
@@ -114,6 +118,7 @@ class Checkpointer:
         memory_budget: int = 256 * MiB,
         io_threads: int = 4,
         create: bool = True,
+        take_over: bool = False,
     ):
         for name, value in (("chunk_bytes", chunk_bytes), ("dense_chunk_bytes", dense_chunk_bytes),
                             ("io_threads", io_threads)):
@@ -139,6 +144,8 @@ class Checkpointer:
         self._sent_digest: str | None = None  # this rank's last local plan, as sent
         self._local_plans: dict[int, LocalPlan] = {}  # coordinator: the ranks' last local plans
         self._plan: tuple[tuple[str, ...], GlobalPlan] | None = None  # digests -> cached plan
+        self._take_over = take_over
+        self._lease: lease.Lease | None = None  # coordinator: held from the first save on
 
     @property
     def rank(self) -> int:
@@ -264,6 +271,8 @@ class Checkpointer:
             if len(steps) != 1:
                 raise StepExistsError(f"ranks save different steps: {sorted(steps)}")
             self._check_step(steps.pop())
+            if self._lease is None:
+                self._lease = lease.acquire(self.store, lease.holder_id(), take_over=self._take_over)
             digests = tuple(d for _, d, _ in sent)
             if self._plan is not None and self._plan[0] == digests:
                 return None
@@ -321,6 +330,7 @@ class Checkpointer:
             policy={"name": self.policy.name, "decision": kind, "reason": reason},
             plan=plan, changed=changed, files=files, sizes=self._sizes,
         )
+        lease.check(self.store, self._lease)
         if not self.store.commit(manifest):
             raise StepExistsError(f"step {step} was committed by another writer meanwhile")
         return manifest
@@ -437,6 +447,31 @@ class Checkpointer:
             steps = [step]
         return verify(self.store, steps, self._pool, self._executor, progress)
 
+    # -- compaction and GC ----------------------------------------------------------------------
+
+    def compact(self, upto: int | None = None) -> CompactInfo:
+        """Commits a base for step ``upto`` (default: the latest) made from its chain, so its
+        restore and those of later steps replay from there. Every rank calls it; see
+        :mod:`deltackpt.compaction`. Needs no writer lease: it may run beside training.
+
+        Example:
+            >>> import tempfile, torch
+            >>> with Checkpointer(tempfile.mkdtemp()) as ckpt:
+            ...     t = torch.zeros(10, 2)
+            ...     _ = ckpt.save(1, {"t": t}); t[3] = 1; _ = ckpt.save(2, {"t": t})
+            ...     ckpt.compact(2).chain_length
+            2
+        """
+        return compact(self.store, self._coll, self._pool, self._executor, self._sizes, upto)
+
+    def gc(self, retention: Retention | None = None, *, grace_seconds: float = 3600.0,
+           dry_run: bool = False) -> GCReport:
+        """Drops steps ``retention`` does not keep (default: keeps all) and deletes what no
+        remaining step refers to, once older than ``grace_seconds``; see :mod:`deltackpt.gc`.
+        Runs on the coordinator; other ranks get its report."""
+        return self._coll.one("gc", lambda: collect(self.store, retention or Retention(),
+                                                    grace_seconds=grace_seconds, dry_run=dry_run))
+
     # -- tracking -------------------------------------------------------------------------------
 
     def track(
@@ -499,7 +534,10 @@ class Checkpointer:
     # -- lifetime -------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Waits for pending I/O and releases the threads."""
+        """Waits for pending I/O, releases the writer lease and the threads."""
+        if self._lease is not None:
+            lease.release(self.store, self._lease)
+            self._lease = None
         self._executor.shutdown(wait=True)
 
     def __enter__(self) -> Checkpointer:

@@ -132,6 +132,11 @@ class CheckpointAborted(DeltackptError):
         return (type(self), (self.failures,))
 
 
+class WriterConflictError(DeltackptError):
+    """Another writer holds the store's lease (see :mod:`deltackpt.lease`)."""
+
+
 # Errors about the request itself rather than a rank's failure: the coordinator raises them the
 # same way on every rank (a restore of an unknown step is a StepNotFoundError everywhere).
-REQUEST_ERRORS = (StepNotFoundError, StepExistsError, StateError, BrokenChainError, ManifestError)
+REQUEST_ERRORS = (StepNotFoundError, StepExistsError, StateError, BrokenChainError, ManifestError,
+                  WriterConflictError)

@@ -100,6 +100,8 @@ class Manifest:
         tensors: every tensor of the state by flat key.
         bytes_written: bytes of all chunk files of this step.
         state_bytes: bytes of every tensor of the state, what a full checkpoint writes.
+        compacts: for a base made by compaction (``bases/``), the attempt of the step's own
+            record that it stands in for; None otherwise.
     """
 
     step: int
@@ -116,6 +118,7 @@ class Manifest:
     tensors: dict[str, TensorRecord]
     bytes_written: int
     state_bytes: int
+    compacts: str | None = None
     format: int = FORMAT
 
     def to_json(self) -> bytes:
@@ -190,7 +193,10 @@ def _parse(doc: Any, where: str) -> Manifest:
         tensors=tensors,
         bytes_written=_count(doc, "bytes_written", where),
         state_bytes=_count(doc, "state_bytes", where),
+        compacts=_field(doc, "compacts", (str, type(None)), where),
     )
+    if m.compacts is not None and m.kind != "base":
+        raise ManifestError(f"{where}: only a base can stand in for a step ('compacts')")
     _check_tree(m.tree, m.tensors, f"{where}: field 'tree'", 0)
     if "/" in m.attempt or m.attempt in ("", ".", ".."):
         raise ManifestError(f"{where}: field 'attempt' has a bad value {m.attempt!r}")

@@ -92,6 +92,7 @@ class ChainReader:
         self._chain = chain
         self._pool = pool
         self._executor = executor
+        self._ids: dict[tuple[int, str, str], torch.Tensor] = {}  # a delta part's row ids
 
     def read(self, key: str, dest: torch.Tensor, box: Box | None = None) -> None:
         """Fills ``dest`` (CPU, contiguous, of the recorded dtype) with the box ``box`` (default:
@@ -181,21 +182,13 @@ class ChainReader:
 
     def _rows(self, m: Manifest, key: str, rec: TensorRecord, part: PartRecord, inter: Box,
               dest: torch.Tensor, box: Box) -> list[Job]:
-        n, cr = part.changed, part.chunk_shape[0]
+        cr = part.chunk_shape[0]
         rest = part.shape[1:]
         row_bytes = int(np.prod(rest, dtype=np.int64)) * dest.element_size()
-        # The ids are small (8 bytes a row): read them all here, then only the rows needed.
-        pieces = []
-        for i in range(-(-n // cr)):
-            count = min(n, (i + 1) * cr) - i * cr
-            self._staged(m, key, part, f"ids/{chunk_key(i, 1)}", torch.int64, cr * 8,
-                         lambda b, c=count: pieces.append(b.view(torch.int64)[:c].clone()))
-        ids = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
-        bad = (ids < part.offset[0]) | (ids >= part.offset[0] + part.shape[0])
-        bad[1:] |= ids[1:] <= ids[:-1]
-        if bool(bad.any()):
-            raise IntegrityError(m.step, chunk_path(m, key, part, "ids"),
-                                 "row ids outside the part or not strictly increasing")
+        ids = self._ids.get((m.step, key, part.path))
+        if ids is None:
+            ids = self._ids[(m.step, key, part.path)] = self._read_ids(m, key, part)
+        # Only the rows inside the destination box: ids are sorted.
         p0 = int(torch.searchsorted(ids, inter.offset[0]))
         p1 = int(torch.searchsorted(ids, inter.offset[0] + inter.shape[0]))
         src_cols = tuple(slice(o - p, o - p + k) for o, k, p in zip(inter.offset[1:], inter.shape[1:], part.offset[1:]))
@@ -213,6 +206,22 @@ class ChainReader:
             jobs.append(lambda j=j, c=copy: self._staged(
                 m, key, part, f"rows/{chunk_key(j, dest.dim())}", dest.dtype, cr * row_bytes, c))
         return jobs
+
+    def _read_ids(self, m: Manifest, key: str, part: PartRecord) -> torch.Tensor:
+        """All row ids of a delta part (small: 8 bytes a row), checked."""
+        n, cr = part.changed, part.chunk_shape[0]
+        pieces: list[torch.Tensor] = []
+        for i in range(-(-n // cr)):
+            count = min(n, (i + 1) * cr) - i * cr
+            self._staged(m, key, part, f"ids/{chunk_key(i, 1)}", torch.int64, cr * 8,
+                         lambda b, c=count: pieces.append(b.view(torch.int64)[:c].clone()))
+        ids = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
+        bad = (ids < part.offset[0]) | (ids >= part.offset[0] + part.shape[0])
+        bad[1:] |= ids[1:] <= ids[:-1]
+        if bool(bad.any()):
+            raise IntegrityError(m.step, chunk_path(m, key, part, "ids"),
+                                 "row ids outside the part or not strictly increasing")
+        return ids
 
     def _chunks(self, m: Manifest, key: str, rec: TensorRecord, part: PartRecord, inter: Box,
                 dest: torch.Tensor, box: Box) -> list[Job]:

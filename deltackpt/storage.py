@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import uuid
 from collections.abc import Iterable
 from typing import Protocol
@@ -50,6 +51,13 @@ class Storage(Protocol):
 
     def delete(self, key: str) -> None:
         """Removes object ``key`` if present."""
+
+    def usage(self, prefix: str) -> tuple[int, float]:
+        """Bytes of everything under ``prefix`` (an object or a folder) and the newest
+        modification time among them (0.0 if nothing is there)."""
+
+    def delete_tree(self, prefix: str) -> None:
+        """Removes everything under ``prefix``."""
 
 
 class LocalStorage:
@@ -94,8 +102,9 @@ class LocalStorage:
                 todo.add(d)
                 d = os.path.dirname(d)
         for d in sorted(todo, key=len, reverse=True):
-            self.persist_point("fsync_dir", d)
-            _fsync_dir(d)
+            if os.path.isdir(d):  # a folder that holds nothing yet has nothing to make durable
+                self.persist_point("fsync_dir", d)
+                _fsync_dir(d)
 
     def read_into(self, key: str, out: memoryview) -> int:
         path = self._path(key)
@@ -162,10 +171,37 @@ class LocalStorage:
             raise _store_error(e, path) from e
 
     def delete(self, key: str) -> None:
+        self.persist_point("gc_delete", key)
         try:
             os.unlink(self._path(key))
         except FileNotFoundError:
             pass
+
+    def usage(self, prefix: str) -> tuple[int, float]:
+        top = self._path(prefix)
+        total, newest = 0, 0.0
+        try:
+            st = os.stat(top)
+        except FileNotFoundError:
+            return 0, 0.0
+        if not os.path.isdir(top):
+            return st.st_size, st.st_mtime
+        newest = st.st_mtime
+        for folder, _, files in os.walk(top):
+            newest = max(newest, os.stat(folder).st_mtime)
+            for f in files:
+                fst = os.stat(os.path.join(folder, f))
+                total += fst.st_size
+                newest = max(newest, fst.st_mtime)
+        return total, newest
+
+    def delete_tree(self, prefix: str) -> None:
+        self.persist_point("gc_delete", prefix)
+        path = self._path(prefix)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            self.delete(prefix)
 
 
 def _write_all(fd: int, data: memoryview) -> None:

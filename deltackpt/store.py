@@ -3,8 +3,10 @@
 ```
 ROOT/zarr.json                        zarr v3 group; attributes {"deltackpt": {"format": 1}}
 ROOT/commits/00000000000000000042.json   commit record of step 42 (its presence makes step 42 exist)
+ROOT/bases/00000000000000000042.json     a base of step 42 made by compaction (optional)
 ROOT/steps/zarr.json                  zarr v3 group
 ROOT/steps/ATTEMPT/...                arrays of one save attempt, ATTEMPT = "<step>-<random hex>"
+ROOT/writer.lease                     who may commit steps (see deltackpt.lease)
 ```
 A save writes its arrays into a fresh attempt folder, so a crashed save never touches a folder that
 a committed step refers to, and commits by creating its record only if absent. Readers list
@@ -27,12 +29,19 @@ from .manifest import FORMAT, Manifest
 from .storage import LocalStorage, Storage
 
 COMMITS = "commits"
+BASES = "bases"
 STEPS = "steps"
-_COMMIT_NAME = re.compile(r"^(\d{20})\.json$")
+LEASE = "writer.lease"
+_RECORD_NAME = re.compile(r"^(\d{20})\.json$")
 
 
 def commit_key(step: int) -> str:
     return f"{COMMITS}/{step:020d}.json"
+
+
+def base_key(step: int) -> str:
+    """The record of the base that compaction made for ``step``."""
+    return f"{BASES}/{step:020d}.json"
 
 
 def group_doc(attributes: dict[str, Any] | None = None) -> bytes:
@@ -102,6 +111,7 @@ class Store:
     def __init__(self, storage: Storage):
         self.storage = storage
         self._manifests: dict[int, Manifest] = {}
+        self._bases: dict[int, Manifest] = {}
 
     def exists(self) -> bool:
         return self.storage.size("zarr.json") is not None
@@ -127,8 +137,26 @@ class Store:
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
-        found = (_COMMIT_NAME.match(name) for name in self.storage.list(COMMITS))
-        return sorted(int(m.group(1)) for m in found if m)
+        return _record_steps(self.storage.list(COMMITS))
+
+    def compacted_steps(self) -> list[int]:
+        """Steps that have a base made by compaction, ascending."""
+        return _record_steps(self.storage.list(BASES))
+
+    def compacted(self, step: int) -> Manifest | None:
+        """The base compaction made for ``step``, or None."""
+        if step in self._bases:
+            return self._bases[step]
+        key = base_key(step)
+        try:
+            data = self.storage.read(key)
+        except FileNotFoundError:
+            return None
+        m = Manifest.from_json(data, key)
+        if m.step != step or m.compacts is None:
+            raise ManifestError(f"{key}: is not a compacted base of step {step}")
+        self._bases[step] = m
+        return m
 
     def manifest(self, step: int) -> Manifest:
         """The commit record of ``step``.
@@ -151,15 +179,21 @@ class Store:
         return m
 
     def chain(self, step: int) -> list[Manifest]:
-        """The records from the base of ``step``'s chain up to ``step``, in replay order.
+        """The records to replay for ``step``, base first: back along the parents to a base,
+        stopping early at a base that compaction made for a step on the way.
 
         Raises:
             StepNotFoundError: ``step`` is not committed.
             BrokenChainError: a parent is missing, corrupt or of another lineage.
         """
-        chain = [self.manifest(step)]
+        head = self.manifest(step)
+        chain = [self._stand_in(step, step, head.attempt) or head]
         while chain[-1].kind == "delta":
             child = chain[-1]
+            stand_in = self._stand_in(step, child.parent, child.parent_attempt)
+            if stand_in is not None:
+                chain.append(stand_in)
+                break
             try:
                 parent = self.manifest(child.parent)
             except StepNotFoundError:
@@ -170,18 +204,37 @@ class Store:
                 raise BrokenChainError(
                     step, child.parent, f"step {child.step} was saved on another lineage"
                 )
-            if parent.base != child.base:
-                raise BrokenChainError(step, child.parent, "its base differs from the child's")
             chain.append(parent)
         chain.reverse()
         return chain
+
+    def _stand_in(self, step: int, at: int, attempt: str | None) -> Manifest | None:
+        """The compacted base of step ``at`` if it stands in for the record ``attempt``."""
+        try:
+            base = self.compacted(at)
+        except ManifestError as e:
+            raise BrokenChainError(step, at, str(e)) from None
+        return base if base is not None and base.compacts == attempt else None
 
     def new_attempt(self, step: int) -> str:
         return f"{step}-{uuid.uuid4().hex[:12]}"
 
     def commit(self, manifest: Manifest) -> bool:
-        """Creates the step's record if absent; returns False if the step was committed already."""
+        """Creates the step's record (or, for a compacted base, its base record) if absent;
+        returns False if it exists already."""
+        if manifest.compacts is not None:
+            return self.storage.put_if_absent(base_key(manifest.step), manifest.to_json())
         done = self.storage.put_if_absent(commit_key(manifest.step), manifest.to_json())
         if done:
             self._manifests[manifest.step] = manifest
         return done
+
+    def forget(self) -> None:
+        """Drops cached records (after records were deleted)."""
+        self._manifests.clear()
+        self._bases.clear()
+
+
+def _record_steps(names: list[str]) -> list[int]:
+    found = (_RECORD_NAME.match(name) for name in names)
+    return sorted(int(m.group(1)) for m in found if m)

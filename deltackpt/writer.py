@@ -119,15 +119,30 @@ class StepWriter:
 
     # -- chunks (the part's writer) -------------------------------------------------------------
 
-    def full(self, key: str, path: str, t: torch.Tensor, chunks: tuple[int, ...]) -> None:
-        """Writes every chunk of ``t`` (a whole part), chunked by rows."""
+    def full(self, key: str, path: str, t: torch.Tensor, chunks: tuple[int, ...],
+             first_chunk: int = 0, release: Callable[[], None] | None = None) -> None:
+        """Writes every chunk of ``t`` (a whole part, or the rows of a part from chunk
+        ``first_chunk`` on), chunked by rows; ``release`` runs once all of them are written."""
         rows = t.shape[0] if t.dim() else 1
         flat = t.reshape(rows, -1)
         row_bytes = flat.shape[1] * t.element_size()
         cr = chunks[0] if chunks else 1
-        for i in range(-(-rows // cr) if t.numel() else 0):
+        n = -(-rows // cr) if t.numel() else 0
+        left = [n]
+
+        def one_done() -> None:
+            with self._lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last and release is not None:
+                release()
+
+        if n == 0 and release is not None:
+            release()
+        for i in range(n):
             lo, hi = i * cr, min(rows, (i + 1) * cr)
-            self._put(key, path, chunk_key(i, t.dim()), flat[lo:hi], (cr - (hi - lo)) * row_bytes, t.dtype)
+            self._put(key, path, chunk_key(first_chunk + i, t.dim()), flat[lo:hi],
+                      (cr - (hi - lo)) * row_bytes, t.dtype, release=one_done)
 
     def rows(self, key: str, path: str, t: torch.Tensor, ids: torch.Tensor, row_offset: int,
              chunk_rows: int) -> None:

@@ -42,7 +42,7 @@ def state_at(step: int) -> dict:
 
 def save(storage: LocalStorage, step: int) -> None:
     """Restores the latest step (so the save can be a delta), then saves ``step``."""
-    ckpt = Checkpointer(storage, chunk_bytes=1024, memory_budget=4096)
+    ckpt = Checkpointer(storage, chunk_bytes=1024, memory_budget=4096, take_over=True)
     latest = ckpt.latest_step()
     if latest is not None:
         ckpt.restore(state_at(latest), latest)

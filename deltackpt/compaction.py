@@ -1,0 +1,167 @@
+"""Compaction: folding a step's chain into a new base, so later restores replay from there.
+
+The new base is written into a fresh attempt folder and committed as ``bases/<step>.json``
+(created only if absent), a record that stands in for the step's own record when a chain is
+replayed (see ``Store.chain``). Nothing a committed record refers to is touched, so compaction
+runs while training keeps saving to the same store: deltas after the step keep their parents,
+and their chains simply stop at the new base. Running it again finds the base and does nothing.
+
+It streams: each unit of work is one chunk of rows of one tensor, read from the chain into a
+staging buffer and written as one chunk of the new base, so memory stays within the staging
+pool. Under several ranks the units are dealt round-robin and the coordinator commits once.
+
+Call order (every rank): ``compact(...)``; phases ``compact_plan`` (coordinator),
+``compact_write`` (all), ``compact_commit`` (coordinator).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import torch
+
+from . import dtypes
+from .collectives import Collective
+from .errors import StepNotFoundError
+from .manifest import Manifest, PartRecord, TensorRecord
+from .reader import ChainReader
+from .sharding import Box
+from .staging import StagingPool
+from .store import STEPS, Store
+from .writer import ChunkMap, StepWriter, chunk_shape
+
+
+@dataclass(frozen=True)
+class CompactInfo:
+    """What a compaction did.
+
+    Attributes:
+        step: the step compacted.
+        done: False when the step already was a base (its own, or one compaction made).
+        chain_length: records its restore replayed before (1 when ``done`` is False).
+        bytes_written: bytes of the new base.
+        seconds: wall time on this rank.
+    """
+
+    step: int
+    done: bool
+    chain_length: int
+    bytes_written: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Work:
+    chain: list[Manifest]
+    attempt: str
+    units: list[tuple[str, int, int]]  # tensor key, first row, rows (one chunk each)
+    docs: dict[tuple[str, str], ChunkMap]
+
+
+def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executor,
+            sizes: tuple[int, int], upto: int | None) -> CompactInfo:
+    """Commits a base for step ``upto`` (default: the latest) made from its chain."""
+    t0 = time.perf_counter()
+
+    def plan() -> _Work | None:
+        steps = store.steps()
+        step = upto if upto is not None else (steps[-1] if steps else None)
+        if step is None:
+            raise StepNotFoundError(-1, [])
+        chain = store.chain(step)
+        if chain[0].step == step:
+            return None
+        attempt = store.new_attempt(step)
+        writer = StepWriter(store.storage, f"{STEPS}/{attempt}", pool, executor)
+        units = []
+        for key, rec in chain[-1].tensors.items():
+            dt = dtypes.from_name(rec.dtype)
+            cs = _chunks(rec, sizes)
+            writer.array(key, "", "", rec.shape, cs, dt)
+            rows = rec.shape[0] if rec.shape else 1
+            if math.prod(rec.shape):
+                cr = cs[0] if cs else 1
+                units += [(key, lo, min(cr, rows - lo)) for lo in range(0, rows, cr)]
+        names = {"/".join(k.split("/")[:i]) for k in chain[-1].tensors for i in range(1, k.count("/") + 1)}
+        writer.groups(sorted(names | {""}))
+        try:
+            docs = writer.finish()
+        finally:
+            store.storage.sync(writer.written)
+        return _Work(chain, attempt, units, docs)
+
+    work = coll.one("compact_plan", plan)
+    if work is None:
+        step = upto if upto is not None else store.steps()[-1]
+        return CompactInfo(step, False, 1, 0, time.perf_counter() - t0)
+    m = work.chain[-1]
+
+    def write() -> dict[tuple[str, str], ChunkMap]:
+        reader = ChainReader(store.storage, work.chain, pool, executor)
+        writer = StepWriter(store.storage, f"{STEPS}/{work.attempt}", pool, executor)
+        # Blocks come from a pool of their own: reads wait on the main pool, and a read must
+        # never wait for a block that a queued write would free.
+        blocks = StagingPool(2, sizes[0])
+        for i, (key, lo, n) in enumerate(work.units):
+            if i % coll.size != coll.rank:
+                continue
+            rec = m.tensors[key]
+            dt = dtypes.from_name(rec.dtype)
+            box = Box((lo, *(0,) * (len(rec.shape) - 1)), (n, *rec.shape[1:])) if rec.shape else Box((), ())
+            buf = blocks.acquire(math.prod(box.shape) * _itemsize(rec))
+            block = buf.view(dt).view(box.shape)
+            reader.read(key, block, box)
+            cs = _chunks(rec, sizes)
+            writer.full(key, "", block, cs, first_chunk=lo // cs[0] if cs else 0,
+                        release=lambda b=buf: blocks.release(b))
+        try:
+            return writer.finish()
+        finally:
+            store.storage.sync(writer.written)
+
+    results = coll.all("compact_write", write)
+
+    def commit() -> int:
+        files: dict[tuple[str, str], ChunkMap] = {}
+        for per_rank in [work.docs, *results]:
+            for where, chunks in per_rank.items():
+                files.setdefault(where, {}).update(chunks)
+        tensors = {}
+        for key, rec in m.tensors.items():
+            part = PartRecord((0,) * len(rec.shape), rec.shape, "", _chunks(rec, sizes),
+                              rec.shape[0] if rec.shape else 1, files.get((key, ""), {}))
+            tensors[key] = TensorRecord(rec.dtype, rec.shape, "full", (part,))
+        base = Manifest(
+            step=m.step, kind="base", attempt=work.attempt, parent=None, parent_attempt=None,
+            base=m.step, chain_length=0, world_size=m.world_size, created=time.time(),
+            policy={"name": "compaction", "decision": "base",
+                    "reason": f"compacted a chain of {len(work.chain)} records"},
+            tree=m.tree, tensors=tensors,
+            bytes_written=sum(size for chunks in files.values() for size, _ in chunks.values()),
+            state_bytes=m.state_bytes, compacts=m.attempt,
+        )
+        persist_point(store, "compact_commit")
+        store.commit(base)  # False: another compaction of this step won; its base serves
+        return base.bytes_written
+
+    written = coll.one("compact_commit", commit)
+    return CompactInfo(m.step, True, len(work.chain), written, time.perf_counter() - t0)
+
+
+def _itemsize(rec: TensorRecord) -> int:
+    return torch.empty((), dtype=dtypes.from_name(rec.dtype)).element_size()
+
+
+def _chunks(rec: TensorRecord, sizes: tuple[int, int]) -> tuple[int, ...]:
+    return chunk_shape("full", rec.shape, _itemsize(rec), 0, *sizes)
+
+
+def persist_point(store: Store, phase: str) -> None:
+    """Tells a fault-injecting storage (tests) that ``phase`` starts; storages without the hook
+    need nothing."""
+    hook = getattr(store.storage, "persist_point", None)
+    if hook is not None:
+        hook(phase, "")
