@@ -239,8 +239,10 @@ class Checkpointer:
         results = self._coll.all("write", write)
         manifest = self._coll.one(
             "commit", lambda: self._commit(step, kind, reason, attempt, plan, changed, results, local))
-        self._tracker.adopt(local["tensors"], local["changes"])
-        self._head = manifest
+        if kind == "base" or not getattr(self.policy, "differential", False):
+            self._tracker.adopt(local["tensors"], local["changes"])
+            self._head = manifest
+        # A differential policy's deltas all apply to the base: keep it as the reference.
         self._chain = (
             ChainState(0, 0, manifest.bytes_written) if kind == "base"
             else ChainState(self._chain.deltas + 1, self._chain.delta_bytes + manifest.bytes_written,

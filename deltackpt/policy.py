@@ -1,7 +1,14 @@
 """Base-cadence policies: whether a save writes a full base or a delta.
 
 A policy is a small object with a ``name`` and a ``decide`` method; the commit record keeps its
-name, decision and reason.
+name, decision and reason. Deltas are incremental (relative to the previous step) unless the
+policy has ``differential = True`` (relative to the base). Policies:
+
+* :class:`EveryK`: a base every K saves, or when a delta would exceed a fraction of a base.
+* :class:`Intermittent`: Check-N-Run's intermittent baseline, a base once the deltas since the
+  last one add up to a fraction of it.
+* :class:`Differential`: every delta relative to the base (restore reads two records).
+* :class:`ChainLimit`: a bound on chain length, for a restore-time target.
 """
 
 from __future__ import annotations
@@ -32,7 +39,10 @@ class Decision:
 
 
 class BasePolicy(Protocol):
-    """Decides base or delta for a save that may be a delta."""
+    """Decides base or delta for a save that may be a delta.
+
+    A policy may also have ``differential = True``: its deltas are then relative to the base.
+    """
 
     name: str
 
@@ -67,3 +77,76 @@ class EveryK:
                 "base", f"delta of {delta_bytes} B exceeds {self.max_delta_fraction:g} of a base"
             )
         return Decision("delta", f"delta of {delta_bytes} B of a {full_bytes} B state")
+
+
+@dataclass(frozen=True)
+class Intermittent:
+    """Check-N-Run's intermittent baseline: a new base once the deltas since the last base
+    (this one included) add up to ``max_fraction`` of the base's size.
+
+    Example:
+        >>> Intermittent(0.5).decide(ChainState(3, 40, 100), 20, 100).kind
+        'base'
+    """
+
+    max_fraction: float = 1.0
+    name: str = "intermittent"
+
+    def __post_init__(self) -> None:
+        if not self.max_fraction > 0:
+            raise ValueError(f"max_fraction must be positive, got {self.max_fraction!r}")
+
+    def decide(self, chain: ChainState, delta_bytes: int, full_bytes: int) -> Decision:
+        total = chain.delta_bytes + delta_bytes
+        base = chain.base_bytes or full_bytes
+        if total >= self.max_fraction * base:
+            return Decision("base", f"deltas since the base would reach {total} B, "
+                                    f"{self.max_fraction:g} of the {base} B base")
+        return Decision("delta", f"deltas since the base: {total} B of a {base} B base")
+
+
+@dataclass(frozen=True)
+class Differential:
+    """Every delta relative to the base (Check-N-Run's one-shot), so a restore reads the base
+    and one delta; ``inner`` decides when to start a new base.
+
+    Example:
+        >>> Differential(EveryK(every=4)).differential
+        True
+    """
+
+    inner: BasePolicy = EveryK()
+    name: str = "differential"
+    differential: bool = True
+
+    def decide(self, chain: ChainState, delta_bytes: int, full_bytes: int) -> Decision:
+        d = self.inner.decide(chain, delta_bytes, full_bytes)
+        return Decision(d.kind, f"{d.reason} (relative to the base)")
+
+
+@dataclass(frozen=True)
+class ChainLimit:
+    """A bound on the chain a restore replays: a base once ``max_deltas`` deltas follow the last
+    one; ``inner`` decides otherwise.
+
+    Example:
+        >>> ChainLimit(2).decide(ChainState(2, 10, 100), 1, 100).kind
+        'base'
+    """
+
+    max_deltas: int
+    inner: BasePolicy = EveryK(every=1_000_000, max_delta_fraction=1.0)
+    name: str = "chain_limit"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_deltas, int) or self.max_deltas < 0:
+            raise ValueError(f"max_deltas must be a non-negative int, got {self.max_deltas!r}")
+
+    @property
+    def differential(self) -> bool:
+        return getattr(self.inner, "differential", False)
+
+    def decide(self, chain: ChainState, delta_bytes: int, full_bytes: int) -> Decision:
+        if chain.deltas >= self.max_deltas:
+            return Decision("base", f"the chain holds {chain.deltas} deltas, the bound is {self.max_deltas}")
+        return self.inner.decide(chain, delta_bytes, full_bytes)
