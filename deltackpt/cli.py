@@ -1,4 +1,4 @@
-"""The ``deltackpt`` command line: ls, show, restore, verify, demo.
+"""The ``deltackpt`` command line: ls, show, restore, verify, compact, gc, demo.
 
 Every command takes ``--help``; commands that print data take ``--json``. Bad input prints one
 line naming the problem and exits with status 1 (2 for a bad command line), without a traceback.
@@ -18,6 +18,7 @@ import torch
 
 from .checkpointer import Checkpointer
 from .errors import DeltackptError, ManifestError
+from .gc import GCReport, Retention
 from .sharding import Shard
 from .store import Store, open_storage
 
@@ -177,6 +178,68 @@ def _step_bytes(store: Store, step: int) -> int:
         return 0
 
 
+def _retention(args: argparse.Namespace) -> Retention | None:
+    if args.keep_last is None and args.keep_every is None and not args.keep:
+        return None
+    if args.keep_last is None:
+        raise DeltackptError("--keep-every and --keep need --keep-last (how many recent steps to keep)")
+    try:
+        return Retention(args.keep_last, args.keep_every, frozenset(args.keep))
+    except ValueError as e:
+        raise DeltackptError(str(e).replace("keep_", "--keep-")) from None
+
+
+def _print_gc(report: GCReport, as_json: bool, extra: dict[str, Any] | None = None) -> None:
+    if as_json:
+        _print_json({**(extra or {}), **asdict(report)})
+        return
+    verb = "would remove" if report.dry_run else "removed"
+    for path in report.deleted:
+        print(f"{verb} {path}")
+    print(f"{verb} {len(report.dropped_steps)} step record(s) {report.dropped_steps}, "
+          f"{len(report.deleted)} folder(s)/file(s), {fmt_bytes(report.freed_bytes)}; "
+          f"{len(report.young)} younger than the grace period kept")
+
+
+def cmd_compact(args: argparse.Namespace) -> int:
+    retention = _retention(args)
+    with Checkpointer(args.path, create=False) as ckpt:
+        info = ckpt.compact(args.upto)
+        report = ckpt.gc(retention, grace_seconds=args.grace) if retention else None
+    doc = {"step": info.step, "compacted": info.done, "chain_length": info.chain_length,
+           "bytes_written": info.bytes_written, "seconds": round(info.seconds, 3)}
+    if args.json:
+        _print_json({**doc, "gc": asdict(report) if report else None})
+        return 0
+    if info.done:
+        print(f"compacted step {info.step}: a chain of {info.chain_length} records into a base of "
+              f"{fmt_bytes(info.bytes_written)} in {info.seconds:.2f} s")
+    else:
+        print(f"step {info.step} already restores from a base; nothing to do")
+    if report:
+        _print_gc(report, False)
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    with Checkpointer(args.path, create=False) as ckpt:
+        report = ckpt.gc(_retention(args), grace_seconds=args.grace, dry_run=args.dry_run)
+    _print_gc(report, args.json)
+    return 0
+
+
+def _add_retention(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--keep-last", type=int, default=None, metavar="K",
+                   help="keep the newest K steps restorable")
+    p.add_argument("--keep-every", type=int, default=None, metavar="N",
+                   help="also keep every step divisible by N")
+    p.add_argument("--keep", type=int, nargs="*", default=[], metavar="STEP",
+                   help="also keep these steps (tagged)")
+    p.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
+                   help="delete unreferenced data only when older than this (default 3600); "
+                        "must exceed the longest save")
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -219,6 +282,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None, help="only this step's chain (default: all)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("compact", help="fold a step's chain into a new base (then GC if --keep-last)")
+    p.add_argument("path", help="store directory")
+    p.add_argument("--upto", type=int, default=None, help="the step (default: the latest)")
+    _add_retention(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_compact)
+
+    p = sub.add_parser("gc", help="drop steps not retained and delete unreferenced data")
+    p.add_argument("path", help="store directory")
+    _add_retention(p)
+    p.add_argument("--dry-run", action="store_true", help="list what would go, delete nothing")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_gc)
 
     p = sub.add_parser("demo", help="train on a synthetic sparse workload with checkpoints")
     from .demo import add_arguments

@@ -71,6 +71,8 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
         step = upto if upto is not None else (steps[-1] if steps else None)
         if step is None:
             raise StepNotFoundError(-1, [])
+        if store.compacted(step) is not None:
+            return None  # done before (GC may since have dropped the step's own record)
         chain = store.chain(step)
         if chain[0].step == step:
             return None

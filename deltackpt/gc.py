@@ -4,8 +4,9 @@
 this order, each step durable before the next:
 
 1. drops the commit records of steps that are not retained and that no retained step's chain
-   passes through, and the compaction bases no retained chain uses (records first: a crash
-   after this leaves unreferenced data, never a record pointing at deleted data);
+   passes through (newest first, so every step still listed keeps its chain), then the
+   compaction bases no retained chain uses; records go before data, so a crash leaves
+   unreferenced data, never a record pointing at deleted data;
 2. deletes attempt folders that no remaining record refers to, and commit temp files, once they
    are older than the grace period: a save in flight writes into a young folder that no record
    names yet, so the grace period must exceed the longest save.
@@ -96,7 +97,9 @@ def collect(store: Store, retention: Retention, *, grace_seconds: float = 3600.0
     report.dropped_steps = [s for s in steps if s not in needed_steps]
     report.dropped_bases = [s for s in store.compacted_steps() if s not in needed_bases]
     if not dry_run:
-        for s in report.dropped_steps:
+        # Newest first: a step's chain runs back to older steps, so after a crash here every
+        # step still listed still has its whole chain.
+        for s in reversed(report.dropped_steps):
             store.storage.delete(commit_key(s))
         for s in report.dropped_bases:
             store.storage.delete(base_key(s))

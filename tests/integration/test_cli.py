@@ -139,3 +139,20 @@ def test_restore_per_rank_files(store, tmp_path, capsys):
     code, _, err = run(capsys, "restore", store, "--step", "20", "--out", str(out_dir),
                        "--world-size", "0")
     assert code == 1 and "--world-size must be >= 1, got 0" in err
+
+
+def test_compact_and_gc(store, capsys):
+    code, out, _ = run(capsys, "compact", store, "--upto", "20", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["compacted"] and doc["chain_length"] == 2 and doc["gc"] is None
+    code, out, _ = run(capsys, "compact", store, "--upto", "20")
+    assert code == 0 and "nothing to do" in out
+    code, out, _ = run(capsys, "gc", store, "--keep-last", "1", "--grace", "0", "--dry-run")
+    assert code == 0 and "would remove 1 step record(s) [10]" in out
+    code, out, _ = run(capsys, "gc", store, "--keep-last", "1", "--grace", "0", "--json")
+    doc = json.loads(out)
+    assert doc["dropped_steps"] == [10] and len(doc["deleted"]) == 1 and doc["freed_bytes"] > 0
+    code, out, _ = run(capsys, "verify", store)
+    assert code == 0 and "verified 1 step(s)" in out
+    code, _, err = run(capsys, "gc", store, "--keep-every", "2")
+    assert code == 1 and "need --keep-last" in err

@@ -1,0 +1,151 @@
+"""Compaction and GC: bit-exact restores around them, forced interleavings with a training job,
+crashes at every persist point, several ranks."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+
+import pytest
+import torch
+
+import faults
+from deltackpt import Checkpointer, LocalStorage
+from deltackpt.gc import Retention
+from dist_harness import check_ok, run_ranks
+from helpers import assert_same_state
+
+
+def history(path, steps: range, **kwargs) -> None:
+    """Saves ``faults.state_at(s)`` for each step (a delta chain after one base)."""
+    with Checkpointer(path, base_every=1000, chunk_bytes=1024, memory_budget=8192,
+                      take_over=True, **kwargs) as ckpt:
+        latest = ckpt.latest_step()
+        if latest is not None:
+            ckpt.restore(faults.state_at(latest), latest)
+        for s in steps:
+            ckpt.save(s, faults.state_at(s))
+
+
+def check_all(path, steps) -> None:
+    with Checkpointer(path, create=False) as ckpt:
+        assert ckpt.steps() == list(steps)
+        for s in steps:
+            assert_same_state(ckpt.load(s), faults.state_at(s))
+        assert ckpt.verify().ok
+
+
+def test_compaction_shortens_the_chain_and_is_idempotent(tmp_path):
+    path = tmp_path / "store"
+    history(path, range(1, 9))
+    with Checkpointer(path, create=False) as ckpt:
+        assert len(ckpt.store.chain(8)) == 8
+        info = ckpt.compact(6)
+        assert info.done and info.chain_length == 6
+        assert [m.step for m in ckpt.store.chain(8)] == [6, 7, 8]
+        assert ckpt.store.chain(6)[0].compacts == ckpt.store.manifest(6).attempt
+        assert not ckpt.compact(6).done  # idempotent
+    check_all(path, range(1, 9))
+    # Saves after a restore keep extending the same chain.
+    history(path, range(9, 11))
+    with Checkpointer(path, create=False) as ckpt:
+        assert [m.step for m in ckpt.store.chain(10)] == [6, 7, 8, 9, 10]
+    check_all(path, range(1, 11))
+
+
+class HookStorage(LocalStorage):
+    """Runs ``hook`` once, at the first persist point of ``phase``."""
+
+    def __init__(self, root, phase, hook):
+        super().__init__(root)
+        self.phase, self.hook = phase, hook
+
+    def persist_point(self, phase, key):
+        if phase == self.phase and self.hook is not None:
+            hook, self.hook = self.hook, None
+            hook()
+
+
+def test_compaction_while_training_saves(tmp_path):
+    path = str(tmp_path / "store")
+    history(path, range(1, 6))
+    trainer = Checkpointer(path, base_every=1000, chunk_bytes=1024, memory_budget=8192)
+    trainer.restore(faults.state_at(5), 5)
+
+    def train_two_steps():  # after compaction read the chain, before it commits
+        for s in (6, 7):
+            assert trainer.save(s, faults.state_at(s)).kind == "delta"
+
+    with Checkpointer(HookStorage(path, "compact_commit", train_two_steps), create=False) as job:
+        assert job.compact(5).done
+        report = job.gc(Retention(keep_last=3), grace_seconds=0)
+    assert report.dropped_steps == [1, 2, 3, 4]
+    trainer.save(8, faults.state_at(8))
+    trainer.close()
+    check_all(path, [5, 6, 7, 8])
+    with Checkpointer(path, create=False) as ckpt:
+        assert [m.step for m in ckpt.store.chain(8)] == [5, 6, 7, 8]
+
+
+def compact_job(path: str, crash_at: int) -> None:
+    storage = faults.CrashingStorage(path, crash_at)
+    with Checkpointer(storage, create=False) as ckpt:
+        ckpt.compact(6)
+        ckpt.gc(Retention(keep_last=2), grace_seconds=0)
+
+
+@pytest.mark.parametrize("every", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_crash_in_compaction_and_gc(tmp_path, every):
+    path = str(tmp_path / "store")
+    history(path, range(1, 9))
+    probe = str(tmp_path / "probe")
+    shutil.copytree(path, probe)
+    storage = faults.CrashingStorage(probe)
+    with Checkpointer(storage, create=False) as ckpt:
+        ckpt.compact(6)
+        ckpt.gc(Retention(keep_last=2), grace_seconds=0)
+    phases = storage.phases
+    assert {"compact_commit", "write_chunk", "gc_delete"} <= set(phases)
+    points = range(1, len(phases) + 1) if every else sorted(
+        {i + 1 for i, p in enumerate(phases) if p != phases[i - 1]} | {len(phases)})
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "numba", "deltackpt", "faults"])
+    for k in points:
+        # Every crash point starts from the same store.
+        run = str(tmp_path / f"run{k}")
+        shutil.copytree(path, run)
+        p = ctx.Process(target=compact_job, args=(run, k))
+        p.start()
+        p.join(120)
+        assert p.exitcode == 137, (k, p.exitcode)
+        with Checkpointer(run, create=False) as ckpt:
+            steps = ckpt.steps()
+            assert steps[-2:] == [7, 8]  # the retained steps always restore
+            for s in steps:
+                assert_same_state(ckpt.load(s), faults.state_at(s))
+        compact_job(run, 0)  # rerunning finishes the job
+        check_all(run, [7, 8])
+        with Checkpointer(run, create=False) as ckpt:
+            assert [m.step for m in ckpt.store.chain(8)] == [6, 7, 8]
+            assert sorted(os.listdir(os.path.join(run, "steps"))) == sorted(
+                ["zarr.json", ckpt.store.compacted(6).attempt, ckpt.store.manifest(7).attempt,
+                 ckpt.store.manifest(8).attempt])
+        shutil.rmtree(run)
+
+
+def ranks_compact(rank: int, world: int, path: str) -> list[int]:
+    with Checkpointer(path, create=False, chunk_bytes=64, memory_budget=1024) as ckpt:
+        info = ckpt.compact()
+        m = ckpt.store.compacted(info.step)
+        return sorted({len(p.chunks) for p in m.tensors["table"].parts})
+
+
+def test_compaction_spread_over_ranks(tmp_path):
+    path = str(tmp_path / "store")
+    history(path, range(1, 5))
+    results = check_ok(run_ranks(ranks_compact, 2, str(tmp_path), path))
+    assert results[0] == results[1]
+    check_all(path, range(1, 5))
+    with Checkpointer(path, create=False) as ckpt:
+        assert [m.step for m in ckpt.store.chain(4)] == [4]
