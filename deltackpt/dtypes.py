@@ -59,8 +59,8 @@ def zarr_data_type(dtype: torch.dtype) -> str:
 def compresses(dtype: torch.dtype) -> bool:
     """Whether arrays of this dtype get the lz4 codec.
 
-    Measured (docs/format.md): blosc-lz4 with byte shuffle shrinks sorted row ids 4.8x, bool masks
-    18x and integer counters far more, but float weights and optimizer state only 1.07-1.15x,
-    which does not pay for the codec's time against a 2.4 GB/s disk.
+    Measured (``bench/bench_codecs.py``, docs/format.md): blosc-lz4 with byte shuffle shrinks
+    sorted row ids 4.8x, bool masks 18x and integer counters far more, but float weights and
+    optimizer state only 1.07-1.32x, which does not pay for the codec's time against the disk.
     """
     return not (dtype.is_floating_point or dtype.is_complex)
