@@ -31,7 +31,7 @@ from . import dtypes, lease, statetree
 from .changes import ChangeTracker
 from .collectives import Collective
 from .compaction import CompactInfo, compact
-from .errors import KeyMismatchError, StepExistsError, StepNotFoundError
+from .errors import KeyMismatchError, StateError, StepExistsError, StepNotFoundError
 from .gc import GCReport, Retention, collect
 from .manifest import Manifest
 from .planner import GlobalPlan, ItemInfo, LocalPlan, make_global_plan
@@ -41,7 +41,7 @@ from .restoring import plan_restore
 from .saving import PartScan, build_manifest, describe, summarize, tensor_bytes, write_part
 from .sharding import Box, Shard, row_block
 from .staging import StagingPool
-from .storage import Storage
+from .storage import Storage, persist_point
 from .store import STEPS, Store, open_storage
 from .tracking import Canary, TrackHandle
 from .verify import VerifyReport, verify
@@ -195,7 +195,7 @@ class Checkpointer:
         local: dict[str, Any] = {}
 
         def plan_local() -> tuple[int, str, LocalPlan | None]:
-            self._fault("plan_local")
+            persist_point(self.store.storage, "plan_local")
             if not isinstance(step, int) or isinstance(step, bool) or step < 0:
                 raise StepExistsError(f"step must be a non-negative int, got {step!r}")
             flat = statetree.flatten(state)
@@ -256,11 +256,6 @@ class Checkpointer:
                      info.state_bytes, info.seconds)
         return info
 
-    def _fault(self, phase: str) -> None:
-        hook = getattr(self.store.storage, "persist_point", None)
-        if hook is not None:
-            hook(phase, "")
-
     def _global_plan(self, sent: list[tuple[int, str, LocalPlan | None]]) -> GlobalPlan:
         """The coordinator's global plan, reused while every rank's local plan is unchanged."""
 
@@ -268,7 +263,7 @@ class Checkpointer:
             for rank, (_, _, plan) in enumerate(sent):
                 if plan is not None:
                     self._local_plans[rank] = plan
-            self._fault("plan_global")
+            persist_point(self.store.storage, "plan_global")
             steps = {s for s, _, _ in sent}
             if len(steps) != 1:
                 raise StepExistsError(f"ranks save different steps: {sorted(steps)}")
@@ -280,7 +275,7 @@ class Checkpointer:
                 return None
             plans = [self._local_plans[r] for r in range(self.world_size)]
             if len({p.settings for p in plans}) != 1:
-                raise ValueError(f"ranks use different chunk sizes: {sorted({p.settings for p in plans})}")
+                raise StateError(f"ranks use different chunk sizes: {sorted({p.settings for p in plans})}")
             return make_global_plan(plans, statetree.merge([p.tree for p in plans]))
 
         fresh = self._coll.one("plan_global", plan_global)

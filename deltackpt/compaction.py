@@ -30,6 +30,7 @@ from .manifest import Manifest, PartRecord, TensorRecord
 from .reader import ChainReader
 from .sharding import Box
 from .staging import StagingPool
+from .storage import persist_point
 from .store import STEPS, Store
 from .writer import ChunkMap, StepWriter, chunk_shape
 
@@ -145,7 +146,7 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
             bytes_written=sum(size for chunks in files.values() for size, _ in chunks.values()),
             state_bytes=m.state_bytes, compacts=m.attempt,
         )
-        persist_point(store, "compact_commit")
+        persist_point(store.storage, "compact_commit")
         store.commit(base)  # False: another compaction of this step won; its base serves
         return base.bytes_written
 
@@ -160,10 +161,3 @@ def _itemsize(rec: TensorRecord) -> int:
 def _chunks(rec: TensorRecord, sizes: tuple[int, int]) -> tuple[int, ...]:
     return chunk_shape("full", rec.shape, _itemsize(rec), 0, *sizes)
 
-
-def persist_point(store: Store, phase: str) -> None:
-    """Tells a fault-injecting storage (tests) that ``phase`` starts; storages without the hook
-    need nothing."""
-    hook = getattr(store.storage, "persist_point", None)
-    if hook is not None:
-        hook(phase, "")

@@ -204,6 +204,14 @@ class LocalStorage:
             self.delete(prefix)
 
 
+def persist_point(storage: Storage, phase: str) -> None:
+    """Tells a fault-injecting storage (tests) that ``phase`` starts; a storage without the
+    ``persist_point`` hook needs nothing."""
+    hook = getattr(storage, "persist_point", None)
+    if hook is not None:
+        hook(phase, "")
+
+
 def _write_all(fd: int, data: memoryview) -> None:
     data = data.cast("B")
     while data:
