@@ -20,7 +20,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn: Callable[..., Any], rank: int, world: int, port: int, pg_timeout: float,
+def by_file(fn: Callable[..., Any]) -> tuple[str, str]:
+    """Where a test function lives, so a child can load it without the test's package on its
+    path (pytest imports test files by path)."""
+    return fn.__code__.co_filename, fn.__name__
+
+
+def call(where: tuple[str, str], *args: Any) -> Any:
+    """In a child: loads the file ``where[0]`` and calls its function ``where[1]``."""
+    import importlib.util
+
+    path, name = where
+    spec = importlib.util.spec_from_file_location(f"_job_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)(*args)
+
+
+def _child(where: tuple[str, str], rank: int, world: int, port: int, pg_timeout: float,
            out: str, args: tuple) -> None:
     import torch.distributed as dist
 
@@ -28,13 +45,12 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, pg_timeout:
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=pg_timeout))
     try:
-        result = ("ok", fn(rank, world, *args))
+        result = ("ok", call(where, rank, world, *args))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         result = ("error", (type(e).__name__, str(e), getattr(e, "failures", None),
                             traceback.format_exc()))
     with open(out, "wb") as f:
         pickle.dump(result, f)
-    f = None
     dist.destroy_process_group()
 
 
@@ -46,7 +62,7 @@ def run_ranks(fn: Callable[..., Any], world: int, tmp: str, *args: Any, pg_timeo
     ctx.set_forkserver_preload(["torch", "torch.distributed", "numba", "deltackpt", "dist_harness"])
     port = free_port()
     outs = [os.path.join(tmp, f"rank{r}-{port}.pkl") for r in range(world)]
-    procs = [ctx.Process(target=_child, args=(fn, r, world, port, pg_timeout, outs[r], args))
+    procs = [ctx.Process(target=_child, args=(by_file(fn), r, world, port, pg_timeout, outs[r], args))
              for r in range(world)]
     for p in procs:
         p.start()

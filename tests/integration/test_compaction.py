@@ -13,7 +13,7 @@ import torch
 import faults
 from deltackpt import Checkpointer, LocalStorage
 from deltackpt.gc import Retention
-from dist_harness import check_ok, run_ranks
+from dist_harness import by_file, call, check_ok, run_ranks
 from helpers import assert_same_state
 
 
@@ -115,7 +115,7 @@ def test_crash_in_compaction_and_gc(tmp_path, every):
         # Every crash point starts from the same store.
         run = str(tmp_path / f"run{k}")
         shutil.copytree(path, run)
-        p = ctx.Process(target=compact_job, args=(run, k))
+        p = ctx.Process(target=call, args=(by_file(compact_job), run, k))
         p.start()
         p.join(120)
         assert p.exitcode == 137, (k, p.exitcode)
