@@ -238,7 +238,7 @@ class ChainReader:
         for name in part.chunks:
             if name == "zarr.json":
                 continue
-            k = int(name[2:]) if name[:2] == "c/" and name[2:].isdigit() else -1
+            k = int(name[2:]) if name[:2] == "c." and name[2:].isdigit() else -1
             lo, hi = k * ce, min(pn, (k + 1) * ce)
             if k < 0 or lo >= pn:
                 raise IntegrityError(m.step, chunk_path(m, key, part, name), "chunk index out of range")

@@ -83,7 +83,7 @@ def array_doc(shape: tuple[int, ...], chunk_shape: tuple[int, ...], dtype: torch
         "shape": list(shape),
         "data_type": dtypes.zarr_data_type(dtype),
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk_shape)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
         "fill_value": fill,
         "codecs": codecs,
         "attributes": {"torch_dtype": dtypes.name(dtype)},

@@ -57,8 +57,10 @@ def chunk_shape(encoding: str, shape: tuple[int, ...], itemsize: int, changed: i
 
 
 def chunk_key(index: int, ndim: int) -> str:
-    """The zarr v3 default key of chunk ``index`` along dimension 0 (``c`` for a 0-d array)."""
-    return "/".join(["c", str(index)] + ["0"] * (ndim - 1)) if ndim else "c"
+    """The zarr v3 default key, with the ``.`` separator, of chunk ``index`` along dimension 0
+    (``c`` for a 0-d array). ``.`` keeps every chunk file in its array's folder: ``/`` would make
+    a folder per chunk row, each one more directory to create and fsync."""
+    return ".".join(["c", str(index)] + ["0"] * (ndim - 1)) if ndim else "c"
 
 
 def part_folder(key: str, path: str) -> str:

@@ -96,7 +96,7 @@ def test_corrupt_record_is_listed_as_corrupt(store, capsys):
 def test_verify_failure_exits_nonzero(store, capsys):
     with Checkpointer(store, create=False) as ckpt:
         m = ckpt.store.manifest(10)
-    os.remove(os.path.join(store, "steps", m.attempt, "model", "table", "c", "0", "0"))
+    os.remove(os.path.join(store, "steps", m.attempt, "model", "table", "c.0.0"))
     code, out, _ = run(capsys, "verify", store)
     assert code == 1 and "missing" in out
 
@@ -111,13 +111,41 @@ def test_python_m_and_help():
 
 
 def test_demo_small(tmp_path, capsys):
-    code, out, _ = run(capsys, "demo", "--path", str(tmp_path), "--tables", "2", "--rows", "3000",
-                       "--dim", "8", "--steps", "12", "--every", "3", "--base-every", "3")
-    assert code == 0 and "bit-exact" in out and "delta" in out
-    code, out, _ = run(capsys, "demo", "--path", str(tmp_path), "--rows", "500", "--steps", "4",
-                       "--every", "2", "--json")
-    lines = [json.loads(line) for line in out.splitlines()]
-    assert lines[-1]["bit_exact"] is True and [r["kind"] for r in lines[:-1]] == ["base", "delta"]
+    """The main job at a small size: a base and deltas, the middle delta restored bit for bit on
+    two gloo ranks and on one, the resumed run equal to the uninterrupted one, and the plot."""
+    code, out, err = run(capsys, "demo", "--path", str(tmp_path), "--scale", "0.001",
+                         "--batch-size", "32", "--steps", "6", "--every", "2", "--base-every", "3",
+                         "--json")
+    assert code == 0, err
+    events = [json.loads(line) for line in out.splitlines()]
+    assert [e["event"] for e in events] == ["start", "checkpoint", "checkpoint", "checkpoint",
+                                            "trained", "restore", "resume", "done"]
+    saves = [e for e in events if e["event"] == "checkpoint"]
+    assert [(e["step"], e["kind"]) for e in saves] == [(2, "base"), (4, "delta"), (6, "delta")]
+    rows = events[0]["rows"]
+    assert saves[0]["rows_changed"] == rows and 0 < saves[1]["rows_changed"] < rows / 10
+    assert saves[1]["bytes_written"] * 3 < saves[1]["full_bytes"]
+    restore = events[5]
+    assert (restore["step"], restore["kind"], restore["chain"]) == (4, "delta", [2, 4])
+    assert restore["bit_exact"] and [r["rank"] for r in restore["per_rank"]] == [0, 1]
+    assert all(r["ok"] and not r["mismatched"] for r in restore["per_rank"])
+    assert sum(r["table_rows"] for r in restore["per_rank"]) == rows
+    resume = events[6]
+    assert resume["bit_exact"] and (resume["step"], resume["until"]) == (4, 6)
+    assert resume["mismatched_at_step"] == [] and resume["mismatched"] == [] and resume["tensors"] > 100
+    done = events[-1]
+    assert done["bit_exact"] and os.path.dirname(os.path.dirname(done["store"])) == str(tmp_path)
+    with open(done["plot"], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with Checkpointer(done["store"], create=False) as ckpt:
+        assert ckpt.steps() == [2, 4, 6]
+    for argv, message in [(["--every", "0"], "--every must be >= 1, got 0"),
+                          (["--steps", "3", "--every", "2"], "must allow two checkpoints"),
+                          (["--restore-step", "5"], "--restore-step must be a checkpoint"),
+                          (["--scale", "0"], "--scale must be in (0, 1], got 0.0")]:
+        code, out, err = run(capsys, "demo", "--path", str(tmp_path / "bad"), *argv)
+        assert code == 1 and err.count("\n") == 1 and message in err, (argv, err)
+    assert not (tmp_path / "bad").exists()
 
 
 def test_restore_per_rank_files(store, tmp_path, capsys):

@@ -37,7 +37,7 @@ def test_clean_store_verifies(store):
 
 
 def test_flipped_byte(store):
-    f = chunk_file(store, 0, "table", "c/1/0")
+    f = chunk_file(store, 0, "table", "c.1.0")
     with open(f, "r+b") as fh:
         fh.seek(100)
         b = fh.read(1)
@@ -46,14 +46,14 @@ def test_flipped_byte(store):
     with Checkpointer(store, create=False) as ckpt:
         report = ckpt.verify()
         assert [(p.step, p.kind) for p in report.problems if p.step == 0] == [(0, "corrupt")]
-        assert report.problems[0].key.endswith("table/c/1/0")
+        assert report.problems[0].key.endswith("table/c.1.0")
         assert "checksum" in report.problems[0].detail
-        with pytest.raises(IntegrityError, match="table/c/1/0"):
+        with pytest.raises(IntegrityError, match="table/c.1.0"):
             ckpt.load(1)
 
 
 def test_truncated_chunk(store):
-    f = chunk_file(store, 1, "table", "rows/c/0/0")
+    f = chunk_file(store, 1, "table", "rows/c.0.0")
     os.truncate(f, os.path.getsize(f) // 2)
     with Checkpointer(store, create=False) as ckpt:
         report = ckpt.verify()
@@ -61,17 +61,17 @@ def test_truncated_chunk(store):
         assert "bytes on disk" in report.problems[0].detail
         assert ckpt.verify(0).ok  # the base does not refer to it
         ckpt.load(0)
-        with pytest.raises(IntegrityError, match="rows/c/0/0"):
+        with pytest.raises(IntegrityError, match="rows/c.0.0"):
             ckpt.load(1)
 
 
 def test_deleted_chunk(store):
-    os.remove(chunk_file(store, 0, "bias", "c/0"))
+    os.remove(chunk_file(store, 0, "bias", "c.0"))
     with Checkpointer(store, create=False) as ckpt:
         report = ckpt.verify()
         assert {(p.step, p.kind) for p in report.problems} == {(0, "missing"), (1, "chain")}
-        assert any(p.key.endswith("bias/c/0") for p in report.problems)
-        with pytest.raises(MissingChunkError, match="bias/c/0"):
+        assert any(p.key.endswith("bias/c.0") for p in report.problems)
+        with pytest.raises(MissingChunkError, match="bias/c.0"):
             ckpt.load(0)
 
 
