@@ -37,8 +37,8 @@ from .manifest import Manifest
 from .planner import GlobalPlan, ItemInfo, LocalPlan, make_global_plan
 from .policy import BasePolicy, ChainState, EveryK
 from .reader import ChainReader
-from .restoring import plan_restore
-from .saving import PartScan, build_manifest, describe, summarize, tensor_bytes, write_part
+from .restoring import fill, plan_restore
+from .saving import PartScan, build_manifest, decide, describe, summarize, write_part
 from .sharding import Box, Shard, row_block
 from .staging import StagingPool
 from .storage import Storage, persist_point
@@ -293,18 +293,7 @@ class Checkpointer:
     def _decide_and_describe(self, step: int, plan: GlobalPlan, scans: list[PartScan],
                              local: dict[str, Any]) -> tuple[str, str, str, dict[tuple[str, str], int]]:
         """Coordinator: base or delta, a fresh attempt folder, and every array's metadata."""
-        if self._head is None:
-            kind, reason = "base", "no earlier step saved or restored by this checkpointer"
-        elif not all(s.complete for s in scans):
-            kind, reason = "base", "a tensor is new, or its dtype, shape or layout changed"
-        else:
-            full_bytes = sum(tensor_bytes(t) for t in plan.tensors.values())
-            decision = self.policy.decide(self._chain, sum(s.delta_bytes for s in scans), full_bytes)
-            kind, reason = decision.kind, decision.reason
-        changed = {(s.key, s.path): s.changed for s in scans}
-        if kind == "base":
-            changed = {(t.key, p.path): p.box.shape[0] if p.box.shape else 1
-                       for t in plan.tensors.values() for p in t.parts}
+        kind, reason, changed = decide(self.policy, self._head, self._chain, plan, scans)
         attempt = self.store.new_attempt(step)
         writer = StepWriter(self.store.storage, f"{STEPS}/{attempt}", self._pool, self._executor)
         describe(writer, plan, kind, changed, self._sizes)
@@ -406,23 +395,7 @@ class Checkpointer:
         def read() -> None:
             plan = plans["plan"]
             reader = ChainReader(self.store.storage, chain, self._pool, self._executor)
-            final: dict[str, torch.Tensor] = {}
-            for key in sorted(plan.covered):
-                rec = m.tensors[key]
-                target = plan.targets.get(key)
-                if target is None:  # loaded whole, for an optimizer's load_state_dict
-                    dest = torch.empty(rec.shape, dtype=dtypes.from_name(rec.dtype))
-                    reader.read(key, dest)
-                    final[key] = dest
-                    continue
-                local = target.local
-                direct = local.device.type == "cpu" and local.is_contiguous()
-                dest = local if direct else torch.empty(local.shape, dtype=local.dtype)
-                reader.read(key, dest, target.box)
-                if not direct:
-                    local.copy_(dest)
-                final[key] = local
-            plan.finish(final)
+            fill(plan, m, reader)
             restored = statetree.flatten(state).tensors
             self._tracker.reset({k: s.local.contiguous() for k, s in restored.items()})
 

@@ -16,6 +16,7 @@ from torch import nn
 from . import dtypes, statetree
 from .errors import DtypeMismatchError, KeyMismatchError, ShapeMismatchError, StateError
 from .manifest import Manifest
+from .reader import ChainReader
 from .sharding import Shard, as_shard, is_dtensor
 
 
@@ -130,3 +131,25 @@ def _child(parent: Any, k: Any, node: dict[str, Any], path: str, m: Manifest, pl
             parent[k] = statetree.build(node, ts)
 
         plan.steps.append(assign)
+
+
+def fill(plan: RestorePlan, m: Manifest, reader: ChainReader) -> None:
+    """Reads every tensor the plan covers (targets in place, through a temporary when not a
+    contiguous CPU tensor), then runs the plan's finishing steps."""
+    final: dict[str, torch.Tensor] = {}
+    for key in sorted(plan.covered):
+        rec = m.tensors[key]
+        target = plan.targets.get(key)
+        if target is None:  # loaded whole, for an optimizer's load_state_dict
+            dest = torch.empty(rec.shape, dtype=dtypes.from_name(rec.dtype))
+            reader.read(key, dest)
+            final[key] = dest
+            continue
+        local = target.local
+        direct = local.device.type == "cpu" and local.is_contiguous()
+        dest = local if direct else torch.empty(local.shape, dtype=local.dtype)
+        reader.read(key, dest, target.box)
+        if not direct:
+            local.copy_(dest)
+        final[key] = local
+    plan.finish(final)

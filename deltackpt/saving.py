@@ -19,6 +19,7 @@ from . import dtypes
 from .changes import TensorChange, is_row_sparse
 from .manifest import Manifest, PartRecord, TensorRecord
 from .planner import GlobalPlan, PartPlan, TensorPlan
+from .policy import BasePolicy, ChainState
 from .writer import ChunkMap, StepWriter, chunk_shape, part_folder
 
 
@@ -48,6 +49,23 @@ def summarize(key: str, path: str, t: torch.Tensor, change: TensorChange, chunk_
     if is_row_sparse(t):
         return PartScan(key, path, True, n, n * (t[0].numel() * t.element_size() + 8))
     return PartScan(key, path, True, n, n * chunk_elems * t.element_size())
+
+
+def decide(policy: BasePolicy, head: Manifest | None, chain: ChainState, plan: GlobalPlan,
+           scans: list[PartScan]) -> tuple[str, str, dict[tuple[str, str], int]]:
+    """Coordinator: base or delta, why, and the rows or chunks each part will hold."""
+    if head is None:
+        kind, reason = "base", "no earlier step saved or restored by this checkpointer"
+    elif not all(s.complete for s in scans):
+        kind, reason = "base", "a tensor is new, or its dtype, shape or layout changed"
+    else:
+        full_bytes = sum(tensor_bytes(t) for t in plan.tensors.values())
+        decision = policy.decide(chain, sum(s.delta_bytes for s in scans), full_bytes)
+        kind, reason = decision.kind, decision.reason
+    if kind == "base":
+        return kind, reason, {(t.key, p.path): p.box.shape[0] if p.box.shape else 1
+                              for t in plan.tensors.values() for p in t.parts}
+    return kind, reason, {(s.key, s.path): s.changed for s in scans}
 
 
 def encoding(kind: str, shape: tuple[int, ...]) -> str:
