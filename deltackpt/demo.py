@@ -1,128 +1,359 @@
-"""``deltackpt demo``: sparse row updates on embedding-sized tables, checkpointed, then restored.
+"""``deltackpt demo``: the main job. Trains the example DLRM with delta checkpoints, then restores.
 
-Each training step updates a small random set of rows in every table (as an embedding lookup
-with a row-wise Adagrad optimizer would), checkpoints every few steps, prints one line per
-checkpoint, and finally restores a middle step and the latest step from the store alone and
-checks them bit for bit against copies kept in memory.
+1. Trains :class:`~deltackpt.examples.DLRM` on the Criteo-like stream of
+   :mod:`deltackpt.datasets` on the CPU, saving through a :class:`~deltackpt.CheckpointHook`
+   every ``--every`` steps (rows tracked from the lookups), a base every ``--base-every`` saves,
+   into a fresh run folder under ``--path``; one line per checkpoint.
+2. Restores a delta from the middle of the run on ``--ranks`` spawned gloo ranks, each filling
+   its row-wise shard of every tensor through ``Checkpointer(..., process_group=...).restore``,
+   and checks each shard bit for bit against a copy of the state taken when that step was saved.
+3. Restores the same step on one rank (this process) into a model built from another seed,
+   trains on to the end and checks every tensor of model and optimizer state against the
+   uninterrupted run, bit for bit.
+4. Plots the bytes of each checkpoint against a full checkpoint (``checkpoint-bytes.png``).
+
+Exits 1 if any check fails. Run ``deltackpt demo --help`` for the options.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import multiprocessing as mp
 import os
+import socket
 import sys
 import tempfile
 import time
+import warnings
+from typing import Any
 
 import torch
 
-from .checkpointer import Checkpointer
+from . import demo_report as report
+from . import dtypes, statetree
+from .checkpointer import Checkpointer, SaveInfo
+from .datasets import CriteoConfig
+from .errors import DeltackptError
+from .examples import SPARSE_OPTIMIZERS, deterministic, dlrm_run, train
+from .hooks import CheckpointHook
+from .sharding import Shard, row_block
+
+THREADS = 1
+"""Intra-op threads while training: the DLRM's ops are small, so more threads cost more than they
+give (and stall on a busy machine), and both runs use the same count at every step."""
+
+Snapshot = tuple[dict[str, torch.Tensor], dict[str, Any]]
+"""Copies of a state's tensors by flat key, and its JSON skeleton (step, learning rates...)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Train the example DLRM on a Criteo-like click stream with delta checkpoints, restore a "
+        "step from the middle on several ranks and check it bit for bit, resume from it and "
+        "check the resumed run against the uninterrupted one, and plot the bytes written.")
     p.add_argument("--path", default="deltackpt-demo",
-                   help="folder for the demo's stores; each run makes a new store inside "
-                        "(default: ./deltackpt-demo)")
-    p.add_argument("--tables", type=int, default=4, help="embedding tables (default 4)")
-    p.add_argument("--rows", type=int, default=250_000, help="rows per table (default 250000)")
-    p.add_argument("--dim", type=int, default=64, help="embedding dimension (default 64)")
-    p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
-    p.add_argument("--every", type=int, default=5, help="checkpoint every N steps (default 5)")
-    p.add_argument("--base-every", type=int, default=5,
-                   help="a full base every N checkpoints (default 5)")
-    p.add_argument("--touch", type=float, default=0.002,
-                   help="fraction of each table's rows updated per step (default 0.002)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--json", action="store_true", help="print one JSON object per line")
+                   help="folder for the runs; each run makes a new folder inside, holding the "
+                        "store and the plot (default: ./deltackpt-demo)")
+    opt = p.add_argument
+    opt("--scale", type=float, default=0.05, metavar="F",
+        help="table sizes as a fraction of Criteo Kaggle's 26 tables of 33.8 M rows "
+             "(default 0.05: 1.69 M rows)")
+    opt("--max-rows", type=int, default=None, metavar="N", help="cap on the rows of any one table")
+    opt("--dim", type=int, default=16, metavar="N", help="embedding dimension (default 16)")
+    opt("--batch-size", type=int, default=512, metavar="N", help="samples per step (default 512)")
+    opt("--steps", type=int, default=400, metavar="N", help="training steps (default 400)")
+    opt("--every", type=int, default=40, metavar="K", help="checkpoint every K steps (default 40)")
+    opt("--base-every", type=int, default=5, metavar="N",
+        help="a full base every N checkpoints, deltas between (default 5)")
+    opt("--restore-step", type=int, default=None, metavar="STEP",
+        help="the checkpoint to restore and resume from (default: a delta near the middle)")
+    opt("--ranks", type=int, default=2, metavar="M",
+        help="gloo processes restoring the step, each its rows of every tensor (default 2)")
+    opt("--optimizer", choices=SPARSE_OPTIMIZERS, default="adagrad",
+        help="optimizer of the embedding tables (default adagrad; the MLPs use Adam)")
+    opt("--seed", type=int, default=0, metavar="N", help="seed of data and model (default 0)")
+    opt("--json", action="store_true", help="print one JSON object per line")
+
+
+def checkpoint_steps(args: argparse.Namespace) -> list[int]:
+    return list(range(args.every, args.steps + 1, args.every))
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("tables", "rows", "dim", "steps", "every", "base_every"):
+    """Raises DeltackptError naming the first bad option."""
+    for name in ("dim", "batch_size", "steps", "every", "base_every", "ranks"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"deltackpt demo: error: --{name.replace('_', '-')} must be >= 1, "
-                             f"got {getattr(args, name)}")
-    if not 0 < args.touch <= 1:
-        raise SystemExit(f"deltackpt demo: error: --touch must be in (0, 1], got {args.touch}")
+            raise DeltackptError(f"--{name.replace('_', '-')} must be >= 1, "
+                                 f"got {getattr(args, name)}")
+    if args.seed < 0:
+        raise DeltackptError(f"--seed must be >= 0, got {args.seed}")
+    if args.ranks > 16:
+        raise DeltackptError(f"--ranks must be at most 16, got {args.ranks}")
+    if not args.scale > 0 or args.scale > 1:
+        raise DeltackptError(f"--scale must be in (0, 1], got {args.scale}")
+    if args.max_rows is not None and args.max_rows < 2:
+        raise DeltackptError(f"--max-rows must be >= 2, got {args.max_rows}")
+    if os.path.exists(args.path) and not os.path.isdir(args.path):
+        raise DeltackptError(f"--path {args.path} exists and is not a folder")
+    steps = checkpoint_steps(args)
+    if len(steps) < 2:
+        raise DeltackptError(f"--steps ({args.steps}) must allow two checkpoints every --every "
+                             f"({args.every}) steps, so that one can be restored and resumed")
+    if args.restore_step is not None and args.restore_step not in [
+            s for s in steps if s < args.steps]:
+        raise DeltackptError(
+            f"--restore-step must be a checkpoint before the last step ({args.every}, "
+            f"{2 * args.every}, ... < {args.steps}), got {args.restore_step}")
 
 
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+def pick_restore_step(args: argparse.Namespace) -> int:
+    """A delta near the middle of the run, deep in its chain if several are as near.
+
+    The kinds are predicted from the base cadence (a delta that outgrows half a base turns into a
+    base; the step is then still restored and checked, and shown as a base)."""
+    if args.restore_step is not None:
+        return args.restore_step
+    steps = [s for s in checkpoint_steps(args) if s < args.steps]
+    deltas = [s for i, s in enumerate(steps) if i % args.base_every] or steps
+    return min(deltas, key=lambda s: (abs(2 * s - args.steps), -s))
+
+
+def snapshot(state: Any, *, copy: bool = True) -> Snapshot:
+    """The state's tensors by flat key (copies, or views of the live tensors) and skeleton."""
+    flat = statetree.flatten(state)
+    tensors = {k: s.local.clone() if copy else s.local for k, s in flat.tensors.items()}
+    return tensors, _plain(flat.tree)
+
+
+def _plain(tree: Any) -> Any:
+    return json.loads(json.dumps(tree))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bits (NaN payloads and -0.0 included)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
         a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def differences(got: Snapshot, want: Snapshot) -> list[str]:
+    """Flat keys whose bits differ, keys on one side only, and ``<skeleton>`` if plain values
+    (step, hyper-parameters) differ."""
+    keys = sorted(set(got[0]) | set(want[0]))
+    bad = [k for k in keys
+           if k not in got[0] or k not in want[0] or not same_bits(got[0][k], want[0][k])]
+    return bad + (["<skeleton>"] if got[1] != want[1] else [])
 
 
 def run_demo(args: argparse.Namespace) -> int:
     _check(args)
-    gen = torch.Generator().manual_seed(args.seed)
-    tables = {f"t{i}": torch.randn(args.rows, args.dim, generator=gen) * 0.01
-              for i in range(args.tables)}
-    accum = {k: torch.zeros(args.rows) for k in tables}
-    state = {"tables": tables, "adagrad": accum, "step": 0}
+    t_start = time.perf_counter()
+    out = report.Output(as_json=args.json)
+    data = CriteoConfig(scale=args.scale, max_rows=args.max_rows, batch_size=args.batch_size,
+                        seed=args.seed)
+    shapes = {"embedding_dim": args.dim, "bottom_mlp": (64, args.dim)}
     os.makedirs(args.path, exist_ok=True)
-    path = tempfile.mkdtemp(prefix=time.strftime("run-%Y%m%d-%H%M%S-"), dir=args.path)
-    say = (lambda doc: print(json.dumps(doc))) if args.json else None
-    touched = max(1, int(args.rows * args.touch))
-    checkpoints = [s for s in range(args.every, args.steps + 1, args.every)]
-    middle = checkpoints[len(checkpoints) // 2] if checkpoints else None
-    kept: dict[str, torch.Tensor] = {}
-    totals = {"written": 0, "full": 0}
-    if not args.json:
-        print(f"store {path}: {args.tables} tables x {args.rows} rows x {args.dim}, "
-              f"{touched} rows touched per table per step, checkpoint every {args.every} steps")
-        print(f"{'step':>6} {'kind':<6} {'rows changed':>12} {'written':>11} {'full':>11} "
-              f"{'ratio':>7} {'save s':>7}")
-    with Checkpointer(path, base_every=args.base_every) as ckpt:
-        for step in range(1, args.steps + 1):
-            for k, w in tables.items():
-                ids = torch.randint(0, args.rows, (touched,), generator=gen)
-                grad = torch.randn(touched, args.dim, generator=gen) * 0.01
-                accum[k].index_add_(0, ids, grad.pow(2).mean(1))
-                w.index_add_(0, ids, -0.1 * grad / (accum[k][ids].sqrt() + 1e-8)[:, None])
-            state["step"] = step
-            if step % args.every:
-                continue
-            info = ckpt.save(step, state)
-            totals["written"] += info.bytes_written
-            totals["full"] += info.state_bytes
-            if step == middle:
-                kept = {k: t.clone() for k, t in tables.items()}
-            row = {"step": step, "kind": info.kind, "rows_changed": info.rows_changed,
-                   "bytes_written": info.bytes_written, "full_bytes": info.state_bytes,
-                   "seconds": round(info.seconds, 4)}
-            if say:
-                say(row)
-            else:
-                print(f"{step:>6} {info.kind:<6} {info.rows_changed:>12} "
-                      f"{info.bytes_written / 1e6:>8.2f} MB {info.state_bytes / 1e6:>8.2f} MB "
-                      f"{info.state_bytes / max(1, info.bytes_written):>6.1f}x {info.seconds:>7.3f}")
-    ok = True
-    if middle is not None:
-        with Checkpointer(path, create=False) as fresh:
-            t0 = time.perf_counter()
-            loaded = fresh.load(middle)
-            mid_s = time.perf_counter() - t0
-            ok &= all(_bits_equal(loaded["tables"][k], kept[k]) for k in kept)
-            target = {"tables": {k: torch.zeros_like(t) for k, t in tables.items()},
-                      "adagrad": {k: torch.zeros_like(t) for k, t in accum.items()}, "step": 0}
-            t0 = time.perf_counter()
-            fresh.restore(target, checkpoints[-1])
-            last_s = time.perf_counter() - t0
-            ok &= all(_bits_equal(target["tables"][k], tables[k]) for k in tables)
-            ok &= all(_bits_equal(target["adagrad"][k], accum[k]) for k in accum)
-            ok &= target["step"] == checkpoints[-1]
-        summary = {"store": path, "checkpoints": len(checkpoints),
-                   "bytes_written": totals["written"], "full_bytes": totals["full"],
-                   "restore_middle_step": middle, "restore_middle_s": round(mid_s, 3),
-                   "restore_latest_s": round(last_s, 3), "bit_exact": ok}
-        if say:
-            say(summary)
-        else:
-            print(f"wrote {totals['written'] / 1e6:.1f} MB for {len(checkpoints)} checkpoints, "
-                  f"{totals['full'] / max(1, totals['written']):.1f}x less than full checkpoints "
-                  f"({totals['full'] / 1e6:.1f} MB)")
-            print(f"restored step {middle} in {mid_s:.2f} s and step {checkpoints[-1]} in "
-                  f"{last_s:.2f} s from the store alone: "
-                  f"{'bit-exact' if ok else 'MISMATCH'}")
+    run_dir = tempfile.mkdtemp(prefix=time.strftime("run-%Y%m%d-%H%M%S-"), dir=args.path)
+    store = os.path.join(run_dir, "store")
+    plot_path = os.path.join(run_dir, "checkpoint-bytes.png")
+    pick = pick_restore_step(args)
+    with warnings.catch_warnings(), deterministic(args.seed, threads=THREADS):
+        # Adagrad and SparseAdam build sparse tensors without invariant checks and warn once.
+        warnings.filterwarnings("ignore", message="Sparse invariant checks")
+        saves, kept, final, chain = train_with_checkpoints(data, args, shapes, store, pick, out)
+        t0 = time.perf_counter()
+        ranks = restore_on_ranks(store, pick, args.ranks, kept[0])
+        ranks_ok = all(r.get("ok") for r in ranks)
+        out.restored(pick, chain, saves, ranks, ranks_ok, time.perf_counter() - t0)
+        resumed = resume(data, args, shapes, store, pick, kept, final, out)
+    report.plot_bytes(plot_path, saves, args)
+    ok = ranks_ok and resumed["ok"]
+    out.done(store, plot_path, ok, time.perf_counter() - t_start)
     if not ok:
-        print("deltackpt demo: error: a restored step differs from the state saved", file=sys.stderr)
+        print("deltackpt: error: a restored state differs from the state saved (see above)",
+              file=sys.stderr)
     return 0 if ok else 1
+
+
+def train_with_checkpoints(
+    data: CriteoConfig, args: argparse.Namespace, shapes: dict[str, Any], store: str, pick: int,
+    out: report.Output,
+) -> tuple[list[dict[str, Any]], list[Snapshot], Snapshot, list[int]]:
+    """The uninterrupted run, saving every ``args.every`` steps through the hook.
+
+    Returns:
+        The checkpoints' reports, a list holding a copy of the state saved at ``pick``, a copy
+        of the state at the end, and the chain of ``pick``.
+    """
+    state, loss = dlrm_run(data, sparse_optimizer=args.optimizer, seed=args.seed, **shapes)
+    tables = [k for k in statetree.flatten({"model": state.model}).tensors
+              if k.startswith("model/embeddings.")]
+    rows_total = sum(data.table_sizes)
+    out.start(args, store, rows_total, torch.get_num_threads())
+    saves: list[dict[str, Any]] = []
+    kept: list[Snapshot] = []
+    t0 = time.perf_counter()
+    with Checkpointer(store, base_every=args.base_every) as ckpt:
+        def on_save(info: SaveInfo) -> None:
+            if info.step == pick:
+                kept.append(snapshot(state))
+            m = ckpt.store.manifest(info.step)
+            changed = sum(m.tensors[k].changed for k in tables)
+            saves.append(out.checkpoint(info, changed, rows_total))
+
+        with _DemoHook(ckpt, state, every=args.every, on_save=on_save) as hook, \
+                out.progress(args.steps, "train") as bar:
+            hook.bar = bar
+            train(state, loss, args.steps, hook=hook)
+        chain = [m.step for m in ckpt.store.chain(pick)]
+    out.trained(args.steps, time.perf_counter() - t0, saves)
+    return saves, kept, snapshot(state), chain
+
+
+def pin_threads() -> None:
+    """Sets torch back to THREADS intra-op threads after a save or restore: deltackpt's parallel
+    hash kernels (numba on its OpenMP layer) reset the calling thread's OpenMP thread count,
+    which torch shares, so training would go on at another count than the resumed run's."""
+    if torch.get_num_threads() != THREADS:
+        torch.set_num_threads(THREADS)
+
+
+class _DemoHook(CheckpointHook):
+    """The hook, reporting each save and advancing the progress bar."""
+
+    def __init__(self, *args: Any, on_save: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._on_save = on_save
+        self.bar: Any = None
+
+    def on_step_end(self, step: int) -> SaveInfo | None:
+        info = super().on_step_end(step)
+        if info is not None:
+            pin_threads()
+            self._on_save(info)
+        if self.bar is not None:
+            self.bar.update(1)
+        return info
+
+
+def resume(
+    data: CriteoConfig, args: argparse.Namespace, shapes: dict[str, Any], store: str, step: int,
+    at_step: list[Snapshot], final: Snapshot, out: report.Output,
+) -> dict[str, Any]:
+    """Restores ``step`` on this rank into a model from another seed, trains to the end and
+    compares with the state saved at ``step`` and with the uninterrupted run's final state.
+    ``at_step`` holds the copy saved at ``step``; it is emptied once compared, to free it."""
+    state, loss = dlrm_run(data, sparse_optimizer=args.optimizer, seed=args.seed + 1, **shapes)
+    t0 = time.perf_counter()
+    with Checkpointer(store, create=False) as ckpt:
+        ckpt.restore(state, step)
+    restore_s = time.perf_counter() - t0
+    pin_threads()
+    bad_at_step = differences(snapshot(state, copy=False), at_step.pop())
+    t0 = time.perf_counter()
+    with out.progress(args.steps - step, "resume") as bar:
+        while state.step < args.steps:
+            train(state, loss, state.step + 1)
+            bar.update(1)
+    got = snapshot(state, copy=False)
+    bad_final = differences(got, final)
+    result = {"step": step, "until": args.steps, "restore_seconds": restore_s,
+              "train_seconds": time.perf_counter() - t0, "tensors": len(got[0]),
+              "bytes": sum(t.numel() * t.element_size() for t in got[0].values()),
+              "mismatched_at_step": bad_at_step, "mismatched": bad_final,
+              "ok": not bad_at_step and not bad_final}
+    out.resumed(result)
+    return result
+
+
+# -- restore on several ranks ---------------------------------------------------------------------
+
+
+def restore_on_ranks(store: str, step: int, world: int, want: Snapshot,
+                     timeout: float = 600.0) -> list[dict[str, Any]]:
+    """Restores ``step`` on ``world`` spawned gloo ranks, each into its row-wise shards, and has
+    each rank compare its shards with ``want``; returns each rank's report (``ok``, ``error``)."""
+    methods = mp.get_all_start_methods()
+    ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
+    if "forkserver" in methods:
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "deltackpt.demo"])
+    with tempfile.TemporaryDirectory(prefix="deltackpt-demo-") as tmp:
+        reference = os.path.join(tmp, "reference.pt")
+        torch.save(want[0], reference)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        outs = [os.path.join(tmp, f"rank{r}.json") for r in range(world)]
+        procs = [ctx.Process(target=_rank_main, daemon=True,
+                             args=(r, world, port, store, step, reference, outs[r]))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        end = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, end - time.monotonic()))
+        results = []
+        for r, (p, path) in enumerate(zip(procs, outs)):
+            if p.is_alive():
+                p.kill()
+                p.join()
+            if os.path.exists(path):
+                with open(path) as f:
+                    res = json.load(f)
+                if "tree" in res and res.pop("tree") != want[1]:
+                    res.update(ok=False, mismatched=res.get("mismatched", []) + ["<skeleton>"])
+            else:
+                res = {"rank": r, "ok": False, "error": f"rank {r} died (exit code {p.exitcode})"}
+            results.append(res)
+    return results
+
+
+def _rank_main(rank: int, world: int, port: int, store: str, step: int, reference: str,
+               out: str) -> None:
+    """One rank: restore ``step`` into empty row-wise shards, compare them with the reference."""
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    result: dict[str, Any] = {"rank": rank, "ok": False}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=120))
+        with Checkpointer(store, create=False, process_group=dist.group.WORLD) as ckpt:
+            m = ckpt.store.manifest(step)
+            targets: dict[str, torch.Tensor | Shard] = {}
+            for key, rec in m.tensors.items():
+                # Garbage bytes first, so a tensor the restore skipped cannot pass the check.
+                box = row_block(rec.shape, rank, world) if rec.shape else None
+                local = torch.empty(box.shape if box else (), dtype=dtypes.from_name(rec.dtype))
+                local.reshape(-1).view(torch.uint8).fill_(0xA5)
+                targets[key] = local if box is None else Shard(
+                    local, global_shape=rec.shape, global_offset=box.offset)
+            state = statetree.build(m.tree, targets)
+            t0 = time.perf_counter()
+            ckpt.restore(state, step)
+            result["seconds"] = round(time.perf_counter() - t0, 4)
+        want = torch.load(reference, mmap=True, weights_only=True)
+        bad, rows, nbytes = [], [], 0
+        for key, t in targets.items():
+            ref = want[key]
+            if isinstance(t, Shard):
+                ref = ref.narrow(0, t.global_offset[0], t.local.shape[0])
+                if key.startswith("model/embeddings."):
+                    rows.append((t.global_offset[0], t.global_offset[0] + t.local.shape[0]))
+                t = t.local
+            nbytes += t.numel() * t.element_size()
+            if not same_bits(t, ref):
+                bad.append(key)
+        result.update(ok=not bad, mismatched=bad, tensors=len(targets), bytes=nbytes,
+                      table_rows=sum(hi - lo for lo, hi in rows),
+                      tree=_plain(statetree.flatten(state).tree))
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        result["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        with open(out + ".tmp", "w") as f:
+            json.dump(result, f)
+        os.replace(out + ".tmp", out)
+        if dist.is_initialized():
+            dist.destroy_process_group()
