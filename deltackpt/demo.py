@@ -211,14 +211,6 @@ def train_with_checkpoints(
     return saves, kept, snapshot(state), chain
 
 
-def pin_threads() -> None:
-    """Sets torch back to THREADS intra-op threads after a save or restore: deltackpt's parallel
-    hash kernels (numba on its OpenMP layer) reset the calling thread's OpenMP thread count,
-    which torch shares, so training would go on at another count than the resumed run's."""
-    if torch.get_num_threads() != THREADS:
-        torch.set_num_threads(THREADS)
-
-
 class _DemoHook(CheckpointHook):
     """The hook, reporting each save and advancing the progress bar."""
 
@@ -230,7 +222,6 @@ class _DemoHook(CheckpointHook):
     def on_step_end(self, step: int) -> SaveInfo | None:
         info = super().on_step_end(step)
         if info is not None:
-            pin_threads()
             self._on_save(info)
         if self.bar is not None:
             self.bar.update(1)
@@ -249,7 +240,6 @@ def resume(
     with Checkpointer(store, create=False) as ckpt:
         ckpt.restore(state, step)
     restore_s = time.perf_counter() - t0
-    pin_threads()
     bad_at_step = differences(snapshot(state, copy=False), at_step.pop())
     t0 = time.perf_counter()
     with out.progress(args.steps - step, "resume") as bar:

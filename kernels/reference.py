@@ -98,6 +98,17 @@ def _hash_pieces(b, piece, out):
         out[i] = _xxh64(b, start, min(piece, total - start))
 
 
+def _hash(b: np.ndarray, piece: int, out: np.ndarray) -> None:
+    # numba's OpenMP threading layer sets the OpenMP thread count that torch uses too: put it
+    # back, or training would silently change thread count (and bits) after a save.
+    threads = torch.get_num_threads()
+    try:
+        _hash_pieces(b, piece, out)
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
 def _bytes(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
@@ -107,7 +118,7 @@ def hash_rows(t: torch.Tensor) -> torch.Tensor:
     rows = t.shape[0]
     out = np.empty(rows, dtype=np.uint64)
     if rows and t.numel():
-        _hash_pieces(_bytes(t), t.numel() // rows * t.element_size(), out)
+        _hash(_bytes(t), t.numel() // rows * t.element_size(), out)
     elif rows:
         out[:] = _EMPTY_HASH
     return torch.from_numpy(out.view(np.int64))
@@ -118,7 +129,7 @@ def hash_chunks(t: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
     nbytes = t.numel() * t.element_size()
     out = np.empty(-(-nbytes // chunk_bytes), dtype=np.uint64)
     if nbytes:
-        _hash_pieces(_bytes(t), chunk_bytes, out)
+        _hash(_bytes(t), chunk_bytes, out)
     return torch.from_numpy(out.view(np.int64))
 
 

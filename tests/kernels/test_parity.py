@@ -280,3 +280,14 @@ def test_hash_chunks_rejects_bad_chunk_bytes(chunk_bytes):
 def test_hash_rows_rejects_a_0d_tensor():
     with pytest.raises(ValueError, match="0-d"):
         kernels.hash_rows(torch.tensor(1.0))
+
+
+def test_hashing_keeps_torchs_thread_count():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        reference.hash_rows(torch.zeros(4096, 64))
+        reference.hash_chunks(torch.zeros(1 << 20), 4096)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
