@@ -26,7 +26,8 @@ the files it writes or reads, result tensors: 1.1x the state for saves, writes, 
 2.1x for torch.load and Checkpointer.load, 0.2x for delta saves and hashing), so that memory is
 warm; after the operation its files are evicted from the page cache and the reserve is touched
 again. Files are evicted with posix_fadvise(DONTNEED) on the bench's own scratch files only. Peak
-memory is about 5.2x the state: the state, the restore target, one loaded copy and the reserve.
+RSS is about 4.5x the state (the state, the restore target, and the reserve or one loaded copy
+plus what is left of the reserve; measured 2.5 GiB for a 512 MiB state), plus page cache.
 
 The machine may be shared: the bench prints how much user-space CPU time other processes used
 during the rounds, since that slows every operation (a halved hash rate is the usual sign).
