@@ -22,6 +22,7 @@ from .errors import (
     CheckpointAborted,
     DeltackptError,
     DtypeMismatchError,
+    HookClosedError,
     IntegrityError,
     KeyMismatchError,
     ManifestError,
@@ -33,7 +34,7 @@ from .errors import (
     StorageFullError,
     StoreError,
 )
-from .hooks import CheckpointHook, HookClosedError
+from .hooks import CheckpointHook
 from .policy import BasePolicy, Decision, EveryK
 from .sharding import Shard
 from .storage import LocalStorage, Storage

@@ -136,6 +136,10 @@ class WriterConflictError(DeltackptError):
     """Another writer holds the store's lease (see :mod:`deltackpt.lease`)."""
 
 
+class HookClosedError(DeltackptError, RuntimeError):
+    """A :class:`~deltackpt.CheckpointHook` was used after it was closed."""
+
+
 # Errors about the request itself rather than a rank's failure: the coordinator raises them the
 # same way on every rank (a restore of an unknown step is a StepNotFoundError everywhere).
 REQUEST_ERRORS = (StepNotFoundError, StepExistsError, StateError, BrokenChainError, ManifestError,

@@ -26,15 +26,11 @@ import torch
 from torch import nn
 
 from .checkpointer import Checkpointer, SaveInfo
-from .errors import DeltackptError, StateError
+from .errors import HookClosedError, StateError
 from .statetree import is_stateful, key_part
 from .storage import Storage
 
 log = logging.getLogger(__name__)
-
-
-class HookClosedError(DeltackptError, RuntimeError):
-    """A :class:`CheckpointHook` was used after :meth:`CheckpointHook.close`."""
 
 
 class CheckpointHook:

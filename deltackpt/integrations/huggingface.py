@@ -23,7 +23,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from ..checkpointer import Checkpointer
 from ..examples.train import RngState
-from ..hooks import CheckpointHook, HookClosedError
+from ..errors import HookClosedError
+from ..hooks import CheckpointHook
 from ..storage import Storage
 
 _COUNTERS = ("global_step", "epoch", "num_input_tokens_seen", "total_flos")

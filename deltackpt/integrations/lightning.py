@@ -19,7 +19,8 @@ import lightning.pytorch as pl
 
 from ..checkpointer import Checkpointer
 from ..examples.train import RngState
-from ..hooks import CheckpointHook, HookClosedError
+from ..errors import HookClosedError
+from ..hooks import CheckpointHook
 from ..storage import Storage
 
 
