@@ -14,6 +14,11 @@ class DeltackptError(Exception):
 class StoreError(DeltackptError, OSError):
     """The store cannot be opened, read or written."""
 
+    def __str__(self) -> str:
+        if self.errno is None and self.strerror:
+            return str(self.strerror)  # not an OS error: no "[Errno None]" prefix
+        return super().__str__()
+
 
 class StorageFullError(StoreError):
     """The store ran out of space while writing."""
