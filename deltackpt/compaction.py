@@ -67,16 +67,16 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
     """Commits a base for step ``upto`` (default: the latest) made from its chain."""
     t0 = time.perf_counter()
 
-    def plan() -> _Work | None:
+    def plan() -> tuple[int, _Work | None]:
         steps = store.steps()
         step = upto if upto is not None else (steps[-1] if steps else None)
         if step is None:
             raise StepNotFoundError(-1, [])
         if store.compacted(step) is not None:
-            return None  # done before (GC may since have dropped the step's own record)
+            return step, None  # done before (GC may since have dropped the step's own record)
         chain = store.chain(step)
         if chain[0].step == step:
-            return None
+            return step, None
         attempt = store.new_attempt(step)
         writer = StepWriter(store.storage, f"{STEPS}/{attempt}", pool, executor)
         units = []
@@ -94,11 +94,10 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
             docs = writer.finish()
         finally:
             store.storage.sync(writer.written)
-        return _Work(chain, attempt, units, docs)
+        return step, _Work(chain, attempt, units, docs)
 
-    work = coll.one("compact_plan", plan)
+    step, work = coll.one("compact_plan", plan)
     if work is None:
-        step = upto if upto is not None else store.steps()[-1]
         return CompactInfo(step, False, 1, 0, time.perf_counter() - t0)
     m = work.chain[-1]
 
