@@ -66,6 +66,8 @@ from deltackpt.datasets._ids import PowerLawRows, zipf_pmf
 from deltackpt.gc import Retention
 from deltackpt.policy import ChainLimit, Differential, EveryK, Intermittent
 
+from common import Reserve, cpu_seconds, evict, files, others_cpu  # bench/common.py
+
 MiB = 1 << 20
 PERTURBATION = 1e-4  # times U[1, 2), added to the touched rows; far above an ulp of their values
 INCREMENTAL = EveryK(10**9, max_delta_fraction=1.0)
@@ -120,66 +122,14 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # -- memory, page cache, machine ----------------------------------------------------------------
-
-
-class Reserve:
-    """Touched memory held between operations; the part an operation needs is freed right before it.
-
-    Held in 64 MiB pieces so that only what the next operation will allocate is freed: freed
-    memory that stays unused goes back to the host within seconds and is slow to touch again.
-    """
-
-    PIECE = 64 * MiB
-
-    def __init__(self, nbytes: int = 0):
-        self.pieces = 0
-        self._held: list[np.ndarray] = []
-        self.resize(nbytes)
-
-    def resize(self, nbytes: int) -> None:
-        self.pieces = -(-nbytes // self.PIECE)
-        del self._held[self.pieces:]
-        self.hold()
-
-    def hold(self) -> None:
-        while len(self._held) < self.pieces:
-            a = np.empty(self.PIECE, dtype=np.uint8)
-            a.fill(1)
-            self._held.append(a)
-
-    def free(self, nbytes: int) -> None:
-        for _ in range(min(len(self._held), -(-nbytes // self.PIECE))):
-            self._held.pop()
-
-
-def _files(path: str) -> list[str]:
-    return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
-
-
-def evict(path: str) -> None:
-    """Drops every file below a folder from the page cache (the bench's own files only)."""
-    for p in _files(path):
-        fd = os.open(p, os.O_RDONLY)  # deltackpt fsynced them: their pages are clean
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+# Reserve, evict, files, cpu_seconds, others_cpu: bench/common.py. Files are evicted without an
+# fsync (sync=False): deltackpt fsynced them, their pages are clean.
 
 
 def disk_usage(path: str) -> tuple[int, int]:
     """(bytes, files) below ``path``: the sum of file sizes (not of allocated blocks)."""
-    files = _files(path)
-    return sum(os.path.getsize(p) for p in files), len(files)
-
-
-def cpu_seconds() -> tuple[float, float] | None:
-    """(user-space CPU seconds of the whole machine, of this process) so far; None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    return (v[0] + v[1]) / os.sysconf("SC_CLK_TCK"), os.times().user
+    fs = files(path)
+    return sum(os.path.getsize(p) for p in fs), len(fs)
 
 
 def digest(t: torch.Tensor) -> int:
@@ -255,7 +205,7 @@ def timed_restore(ckpt: Checkpointer, path: str, reserve: Reserve, target: torch
     dt = time.perf_counter() - t0
     if digest(target) != want:
         raise AssertionError(f"restore of step {step} is not bit-identical to what was saved")
-    evict(path)
+    evict(path, sync=False)
     reserve.hold()
     return dt
 
@@ -310,7 +260,7 @@ def run_chains(args: argparse.Namespace, scratch: str) -> list[ChainRow]:
         chain = ckpt.store.chain(r.length)
         r.records, r.chain_bytes = len(chain), sum(m.bytes_written for m in chain)
     reserve = Reserve(max(r.chain_bytes for r in rows) + 4 * ckpt_chunk(ckpt))
-    evict(path)
+    evict(path, sync=False)
     timed_restore(ckpt, path, reserve, target, 0, digests[0])  # warm-up: pool, threads, caches
     base_dir = os.path.join(path, "steps", ckpt.store.manifest(0).attempt)
     buf = np.ones(disk_usage(base_dir)[0] + MiB, dtype=np.uint8)  # pre-faulted
@@ -331,7 +281,7 @@ def run_chains(args: argparse.Namespace, scratch: str) -> list[ChainRow]:
         t1 = time.perf_counter()
         ci = ckpt.compact(r.length)
         r.compact_s = time.perf_counter() - t1
-        evict(path)
+        evict(path, sync=False)
         reserve.hold()
         if not ci.done or ci.chain_length != r.records:
             raise AssertionError(f"compaction of step {r.length}: {ci}")
@@ -351,16 +301,16 @@ def run_chains(args: argparse.Namespace, scratch: str) -> list[ChainRow]:
 
 def read_files(folder: str, buf: np.ndarray, reserve: Reserve) -> float:
     """Seconds to read every file below ``folder`` (evicted) into ``buf``, pre-faulted."""
-    files = sorted(_files(folder))
-    reserve.free(sum(os.path.getsize(f) for f in files) + MiB)
+    names = sorted(files(folder))
+    reserve.free(sum(os.path.getsize(f) for f in names) + MiB)
     t0 = time.perf_counter()
     view, at = memoryview(buf), 0
-    for f in files:
+    for f in names:
         with open(f, "rb", buffering=0) as fh:
             while n := fh.readinto(view[at:]):
                 at += n
     dt = time.perf_counter() - t0
-    evict(folder)
+    evict(folder, sync=False)
     reserve.hold()
     return dt
 
@@ -459,7 +409,7 @@ def run_policies(args: argparse.Namespace, scratch: str) -> list[PolicyRow]:
         disk = disk_usage(path)
         last = steps[-1]
         reserve.resize(sum(m.bytes_written for m in ckpt.store.chain(last)) + 4 * ckpt_chunk(ckpt))
-        evict(path)
+        evict(path, sync=False)
         timed_restore(ckpt, path, reserve, target, last, digests[last])  # warm-up
         restore = [timed_restore(ckpt, path, reserve, target, last, digests[last]) for _ in range(args.repeat)]
         keep = Retention(keep_last=args.keep_last)
@@ -582,8 +532,8 @@ def main(argv: list[str] | None = None) -> int:
         plot(policy_rows, args)
     wall = time.perf_counter() - t0
     print(f"\nwall time {wall:.0f} s", end="")
-    if cpu0 and cpu1:
-        others = max(0.0, (cpu1[0] - cpu0[0]) - (cpu1[1] - cpu0[1]))
+    others = others_cpu(cpu0, cpu1)
+    if others is not None:
         share = others / (wall * (os.cpu_count() or 1))
         print(f"; other processes used {others:.0f} CPU s ({100 * share:.0f} % of the cores)"
               + ("  WARNING: timings are skewed" if share > 0.05 else ""), end="")

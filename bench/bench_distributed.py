@@ -72,8 +72,9 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
 import torch
+
+from common import Reserve, cpu_seconds, evict, others_cpu, tree_bytes  # bench/common.py
 
 MiB = 1 << 20
 BLOCK = 65536  # rows generated per seeded generator: any rank can rebuild any rows
@@ -305,45 +306,7 @@ def check_equal(what: str, got: LocalState, want: LocalState) -> None:
                                  f"bit-identical to the saved state")
 
 
-# -- memory and page cache ---------------------------------------------------------------------------
-
-
-class Reserve:
-    """Touched memory held between ops; the part an op will allocate is freed right before it."""
-
-    PIECE = 64 * MiB
-
-    def __init__(self, nbytes: int):
-        self.pieces = -(-nbytes // self.PIECE)
-        self._held: list[np.ndarray] = []
-        self.hold()
-
-    def hold(self) -> None:
-        while len(self._held) < self.pieces:
-            a = np.empty(self.PIECE, dtype=np.uint8)
-            a.fill(1)
-            self._held.append(a)
-
-    def free(self, nbytes: int) -> None:
-        for _ in range(min(len(self._held), -(-nbytes // self.PIECE))):
-            self._held.pop()
-
-
-def evict(*paths: str) -> None:
-    """Drops the files below ``paths`` (the bench's own) from the page cache."""
-    for path in paths:
-        for d, _, fs in os.walk(path):
-            for f in fs:
-                fd = os.open(os.path.join(d, f), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-
-
-def tree_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+# -- memory and page cache: Reserve, evict, tree_bytes in bench/common.py --------------------------
 
 
 # -- profiling ---------------------------------------------------------------------------------------
@@ -696,18 +659,6 @@ def restore_job(rank: int, world: int, port: int, args: argparse.Namespace, scra
 # -- launching ---------------------------------------------------------------------------------------
 
 
-def cpu_seconds() -> tuple[float, float] | None:
-    """(user CPU seconds of the whole machine, of this process and its waited-for children) so
-    far; None off Linux. The difference over a launch is what other processes used."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    t = os.times()
-    return (v[0] + v[1]) / os.sysconf("SC_CLK_TCK"), t.user + t.children_user
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -724,9 +675,9 @@ def launch(job: Any, world: int, args: argparse.Namespace, scratch: str) -> dict
     if not env_set:
         os.environ["NUMBA_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
     try:
-        t0, c0 = time.perf_counter(), cpu_seconds()
+        t0, c0 = time.perf_counter(), cpu_seconds(children=True)
         mp.spawn(job, args=(world, free_port(), args, scratch, out), nprocs=world, join=True)
-        wall, c1 = time.perf_counter() - t0, cpu_seconds()
+        wall, c1 = time.perf_counter() - t0, cpu_seconds(children=True)
     finally:
         if not env_set:
             os.environ.pop("NUMBA_NUM_THREADS", None)
@@ -735,7 +686,7 @@ def launch(job: Any, world: int, args: argparse.Namespace, scratch: str) -> dict
     with open(os.path.join(out, "rank0.pkl"), "rb") as f:
         res = pickle.load(f)
     res["wall"] = wall
-    res["other_cpu"] = None if c0 is None or c1 is None else max(0.0, (c1[0] - c0[0]) - (c1[1] - c0[1]))
+    res["other_cpu"] = others_cpu(c0, c1)  # this process and its waited-for ranks are not "others"
     return res
 
 

@@ -57,11 +57,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 import deltackpt
 from deltackpt import kernels
+
+from common import Reserve, cpu_seconds, evict, others_cpu, tree_bytes  # bench/common.py
 
 MiB = 1 << 20
 PIECE = 64 * MiB
@@ -90,73 +91,6 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # -- memory and page cache -------------------------------------------------------------------------
-
-
-class Reserve:
-    """Touched memory held between operations; the part an operation needs is freed right before it.
-
-    Held in 128 MiB pieces so that only what the next operation will allocate is freed: freed
-    memory that stays unused goes back to the host within seconds and is slow to touch again.
-    """
-
-    PIECE = 128 * MiB
-
-    def __init__(self, nbytes: int):
-        self.pieces = -(-nbytes // self.PIECE)
-        self._held: list[np.ndarray] = []
-        self.hold()
-
-    def hold(self) -> None:
-        while len(self._held) < self.pieces:
-            a = np.empty(self.PIECE, dtype=np.uint8)
-            a.fill(1)
-            self._held.append(a)
-
-    def free(self, nbytes: int) -> None:
-        for _ in range(min(len(self._held), -(-nbytes // self.PIECE))):
-            self._held.pop()
-
-
-def _files(path: str) -> list[str]:
-    if os.path.isfile(path):
-        return [path]
-    return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
-
-
-def evict(path: str) -> None:
-    """Drops one file, or every file below a folder, from the page cache (our own files only)."""
-    for p in _files(path):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def tree_bytes(path: str) -> int:
-    return sum(os.path.getsize(p) for p in _files(path)) if os.path.exists(path) else 0
-
-
-def cpu_seconds() -> tuple[float, float] | None:
-    """(user-space CPU seconds of the whole machine, of this process) so far; None off Linux.
-
-    User time only: the kernel work this bench itself causes (block I/O, journal commits, free
-    page reporting after it frees memory) runs in kernel threads and would count as "others".
-    """
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    return (v[0] + v[1]) / os.sysconf("SC_CLK_TCK"), os.times().user
-
-
-def others_cpu(start: tuple[float, float] | None, end: tuple[float, float] | None) -> float | None:
-    """User-space CPU seconds other processes used between two :func:`cpu_seconds` readings."""
-    if start is None or end is None:
-        return None
-    return max(0.0, (end[0] - start[0]) - (end[1] - start[1]))
 
 
 def fsync_dir(path: str) -> None:
@@ -213,7 +147,7 @@ class Bench:
         # The restore target and read buffer: allocated and touched once, reused by every round.
         self.target = torch.full_like(table, float("nan"))
         self.gen = g
-        self.reserve = Reserve(int(2.2 * self.nbytes))
+        self.reserve = Reserve(int(2.2 * self.nbytes), piece=128 * MiB)
         self.n_changed = max(1, round(DELTA_FRACTION * args.rows))
         print(f"deltackpt from {os.path.dirname(deltackpt.__file__)}; torch {torch.__version__}, "
               f"{os.cpu_count()} CPUs")

@@ -58,6 +58,8 @@ from deltackpt import kernels, statetree
 from deltackpt.changes import ChangeTracker
 from deltackpt.kernels import reference
 
+from common import cpu_seconds, others_cpu  # bench/common.py
+
 MiB = 1 << 20
 
 
@@ -148,18 +150,11 @@ def warm(nbytes: int) -> None:
         np.ones(nbytes, dtype=np.uint8)
 
 
-def cpu_seconds() -> tuple[float, float]:
-    """(user CPU seconds of the whole machine, of this process) so far."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (v[0] + v[1]) / os.sysconf("SC_CLK_TCK"), os.times().user
-
-
-def report_others(part: str, start: tuple[float, float], t0: float) -> None:
-    end = cpu_seconds()
-    others = max(0.0, (end[0] - start[0]) - (end[1] - start[1]))
+def report_others(part: str, start: tuple[float, float] | None, t0: float) -> None:
+    others = others_cpu(start, cpu_seconds())
     wall = time.perf_counter() - t0
-    print(f"{part}: {wall:.1f} s; other processes used {others:.1f} CPU-s of {wall * os.cpu_count():.1f}")
+    used = "an unknown number of" if others is None else f"{others:.1f}"  # None off Linux
+    print(f"{part}: {wall:.1f} s; other processes used {used} CPU-s of {wall * os.cpu_count():.1f}")
 
 
 def medians(cases: dict[str, Callable[[], object]], repeats: int,
