@@ -309,6 +309,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:
+        # The reader of our output went away (`deltackpt ls ... | head`): stop quietly.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (DeltackptError, OSError) as e:
         print(f"deltackpt: error: {e}", file=sys.stderr)
         return 1
