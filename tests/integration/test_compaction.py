@@ -8,7 +8,6 @@ import os
 import shutil
 
 import pytest
-import torch
 
 import faults
 from deltackpt import Checkpointer, LocalStorage
