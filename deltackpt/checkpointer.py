@@ -292,23 +292,25 @@ class Checkpointer:
 
     def _decide_and_describe(self, step: int, plan: GlobalPlan, scans: list[PartScan],
                              local: dict[str, Any]) -> tuple[str, str, str, dict[tuple[str, str], int]]:
-        """Coordinator: base or delta, a fresh attempt folder, and every array's metadata."""
+        """Coordinator: base or delta, a fresh attempt folder, and every array's metadata (its
+        writes go on beside the chunks' and are waited for at the commit)."""
         kind, reason, changed = decide(self.policy, self._head, self._chain, plan, scans)
         attempt = self.store.new_attempt(step)
-        writer = StepWriter(self.store.storage, f"{STEPS}/{attempt}", self._pool, self._executor)
-        describe(writer, plan, kind, changed, self._sizes)
-        try:
-            local["docs"] = writer.finish()
-        finally:
-            self.store.storage.sync(writer.written)
+        local["docs"] = StepWriter(self.store.storage, f"{STEPS}/{attempt}", self._pool, self._executor)
+        describe(local["docs"], plan, kind, changed, self._sizes)
         return kind, reason, attempt, changed
 
     def _commit(self, step: int, kind: str, reason: str, attempt: str, plan: GlobalPlan,
                 changed: dict[tuple[str, str], int], results: list[dict[tuple[str, str], ChunkMap]],
                 local: dict[str, Any]) -> Manifest:
         """Coordinator: the commit record from every rank's files, created only if absent."""
+        docs = local["docs"]
+        try:
+            written = docs.finish()
+        finally:
+            self.store.storage.sync(docs.written)
         files: dict[tuple[str, str], ChunkMap] = {}
-        for per_rank in [local["docs"], *results]:
+        for per_rank in [written, *results]:
             for where, chunks in per_rank.items():
                 files.setdefault(where, {}).update(chunks)
         manifest = build_manifest(
