@@ -107,7 +107,7 @@ def _mark_rate(args: argparse.Namespace) -> list[tuple[str, str, str]]:
         0, args.mask_rows, (args.mark_ids,), generator=torch.Generator().manual_seed(args.seed)
     )
     s = _medians({"mark": lambda: reference.mark_rows(mask, ids)}, args.repeats)["mark"]
-    name = f"mark_rows (index_fill_), {args.mark_ids} ids into {args.mask_rows} rows"
+    name = f"mark_rows, {args.mark_ids} ids into {args.mask_rows} rows"
     return [(name, f"{s * 1e3:.2f} ms", f"{args.mark_ids / s / 1e6:.1f} M ids/s")]
 
 
