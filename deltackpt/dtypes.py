@@ -56,6 +56,12 @@ def zarr_data_type(dtype: torch.dtype) -> str:
     return _NATIVE.get(dtype) or _AS_BITS[dtype]
 
 
+# The codec of integer and bool arrays: blosc with lz4 at this level and byte shuffle, in the
+# zarr metadata (store.array_doc) and in the writer and reader (writer.codec_for) alike.
+BLOSC_CNAME = "lz4"
+BLOSC_LEVEL = 5
+
+
 def compresses(dtype: torch.dtype) -> bool:
     """Whether arrays of this dtype get the lz4 codec.
 

@@ -62,8 +62,8 @@ def array_doc(shape: tuple[int, ...], chunk_shape: tuple[int, ...], dtype: torch
             {
                 "name": "blosc",
                 "configuration": {
-                    "cname": "lz4",
-                    "clevel": 5,
+                    "cname": dtypes.BLOSC_CNAME,
+                    "clevel": dtypes.BLOSC_LEVEL,
                     "shuffle": "shuffle",
                     "typesize": itemsize,
                     "blocksize": 0,

@@ -76,7 +76,8 @@ def codec_for(dtype: torch.dtype) -> Blosc | None:
     if not dtypes.compresses(dtype):
         return None
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return Blosc(cname="lz4", clevel=5, shuffle=Blosc.SHUFFLE, typesize=itemsize, blocksize=0)
+    return Blosc(cname=dtypes.BLOSC_CNAME, clevel=dtypes.BLOSC_LEVEL, shuffle=Blosc.SHUFFLE,
+                 typesize=itemsize, blocksize=0)
 
 
 class StepWriter:
