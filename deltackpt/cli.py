@@ -297,7 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_gc)
 
-    p = sub.add_parser("demo", help="the main job: train a DLRM with checkpoints, restore on several ranks, resume bit for bit")
+    p = sub.add_parser("demo", help="the main job: train a DLRM with checkpoints, restore it on "
+                                    "several ranks and resume it, bit for bit")
     from .demo import add_arguments
 
     add_arguments(p)
