@@ -59,10 +59,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
         except ManifestError as e:
             rows.append({"step": step, "kind": "corrupt", "error": str(e)})
             continue
+        try:  # where a restore starts: the base, or a later one compaction made
+            chain = [c.step for c in store.chain(step)]
+        except DeltackptError:
+            chain = None
         rows.append({
             "step": step, "kind": m.kind, "parent": m.parent, "base": m.base,
-            "chain_length": m.chain_length, "bytes_written": m.bytes_written,
-            "state_bytes": m.state_bytes, "world_size": m.world_size, "created": m.created,
+            "chain_length": m.chain_length, "restore_chain": chain,
+            "bytes_written": m.bytes_written, "state_bytes": m.state_bytes,
+            "world_size": m.world_size, "created": m.created,
         })
     if args.json:
         _print_json(rows)
@@ -70,13 +75,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no committed steps in {store.storage.url}")
         return 0
-    print(f"{'step':>10} {'kind':<7} {'parent':>10} {'base':>10} {'written':>11} {'of state':>11} world")
+    print(f"{'step':>10} {'kind':<7} {'parent':>10} {'restores from':>15} {'written':>11} "
+          f"{'of state':>11} world")
     for r in rows:
         if r["kind"] == "corrupt":
             print(f"{r['step']:>10} corrupt  {r['error']}")
             continue
         parent = "-" if r["parent"] is None else r["parent"]
-        print(f"{r['step']:>10} {r['kind']:<7} {parent:>10} {r['base']:>10} "
+        chain = r["restore_chain"]
+        start = "broken chain" if chain is None else f"{chain[0]} (+{len(chain) - 1})"
+        print(f"{r['step']:>10} {r['kind']:<7} {parent:>10} {start:>15} "
               f"{fmt_bytes(r['bytes_written']):>11} {fmt_bytes(r['state_bytes']):>11} {r['world_size']:>5}")
     return 0
 
