@@ -10,8 +10,10 @@ import pytest
 
 import deltackpt
 
-MODULES = sorted(m.name for m in pkgutil.walk_packages(deltackpt.__path__, "deltackpt.")
-                 if not m.name.endswith("__main__"))  # importing it runs the command line
+MODULES = ["deltackpt"] + sorted(
+    m.name for m in pkgutil.walk_packages(deltackpt.__path__, "deltackpt.")
+    if not m.name.endswith("__main__")  # importing it runs the command line
+)
 
 
 @pytest.mark.parametrize("name", MODULES)
