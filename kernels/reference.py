@@ -37,6 +37,25 @@ def _merge(acc, v):
 
 
 @njit(inline="always")
+def _converge(v1, v2, v3, v4):
+    h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
+    h = _merge(h, v1)
+    h = _merge(h, v2)
+    h = _merge(h, v3)
+    return _merge(h, v4)
+
+
+@njit(inline="always")
+def _avalanche(h):
+    h ^= h >> uint64(33)
+    h *= _P2
+    h ^= h >> uint64(29)
+    h *= _P3
+    h ^= h >> uint64(32)
+    return h
+
+
+@njit(inline="always")
 def _load(b, p, n):
     k = uint64(0)
     for i in range(n):
@@ -60,11 +79,7 @@ def _xxh64(b, start, n):
             v2 = _round(v2, w[4 * s + 1])
             v3 = _round(v3, w[4 * s + 2])
             v4 = _round(v4, w[4 * s + 3])
-        h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
-        h = _merge(h, v1)
-        h = _merge(h, v2)
-        h = _merge(h, v3)
-        h = _merge(h, v4)
+        h = _converge(v1, v2, v3, v4)
         p = start + stripes * 32
     else:
         h = _P5
@@ -81,12 +96,7 @@ def _xxh64(b, start, n):
         h ^= uint64(b[p]) * _P5
         h = _rotl(h, 11) * _P1
         p += 1
-    h ^= h >> uint64(33)
-    h *= _P2
-    h ^= h >> uint64(29)
-    h *= _P3
-    h ^= h >> uint64(32)
-    return h
+    return _avalanche(h)
 
 
 @njit(inline="always")
@@ -106,11 +116,7 @@ def _xxh64_words(w, start, n):
             v3 = _round(v3, w[p + 2])
             v4 = _round(v4, w[p + 3])
             p += 4
-        h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
-        h = _merge(h, v1)
-        h = _merge(h, v2)
-        h = _merge(h, v3)
-        h = _merge(h, v4)
+        h = _converge(v1, v2, v3, v4)
     else:
         h = _P5
     h += uint64(n)
@@ -118,12 +124,7 @@ def _xxh64_words(w, start, n):
         h ^= _round(uint64(0), w[p])
         h = _rotl(h, 27) * _P1 + _P4
         p += 1
-    h ^= h >> uint64(33)
-    h *= _P2
-    h ^= h >> uint64(29)
-    h *= _P3
-    h ^= h >> uint64(32)
-    return h
+    return _avalanche(h)
 
 
 @njit(parallel=True, cache=True, nogil=True)
