@@ -7,7 +7,7 @@ file system it is a temp file, ``fsync``, ``link()`` (which fails if the name ex
 
 Data files are made durable in bulk: :meth:`Storage.write` creates a file and
 :meth:`Storage.sync` makes every file written so far durable, with their folders. On Linux that is
-one ``syncfs`` of the store's file system, measured here 25-40x faster than an ``fsync`` per file
+one ``syncfs`` of the store's file system, measured here 24-47x faster than an ``fsync`` per file
 and per folder for a delta of a hundred small tensors; elsewhere each file is ``fsync``-ed as it
 is written and each folder at ``sync``. Either way nothing is committed before ``sync`` returns.
 
