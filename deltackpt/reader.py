@@ -157,8 +157,7 @@ class ChainReader:
         r0 = inter.offset[0] - part.offset[0]
         r1 = r0 + inter.shape[0]
         # Columns of the intersection within the part and within the destination.
-        src_cols = tuple(slice(o - p, o - p + n) for o, n, p in zip(inter.offset[1:], inter.shape[1:], part.offset[1:]))
-        dst_cols = tuple(slice(o - d, o - d + n) for o, n, d in zip(inter.offset[1:], inter.shape[1:], box.offset[1:]))
+        src_cols, dst_cols = inter.slices(part.box)[1:], inter.slices(box)[1:]
         same_cols = part.offset[1:] == box.offset[1:] and rest == box.shape[1:]
         raw = codec_for(dtype) is None
         dest_bytes = dest.reshape(dest.shape[0], -1).view(torch.uint8) if dest.numel() else None
@@ -191,8 +190,7 @@ class ChainReader:
         # Only the rows inside the destination box: ids are sorted.
         p0 = int(torch.searchsorted(ids, inter.offset[0]))
         p1 = int(torch.searchsorted(ids, inter.offset[0] + inter.shape[0]))
-        src_cols = tuple(slice(o - p, o - p + k) for o, k, p in zip(inter.offset[1:], inter.shape[1:], part.offset[1:]))
-        dst_cols = tuple(slice(o - d, o - d + k) for o, k, d in zip(inter.offset[1:], inter.shape[1:], box.offset[1:]))
+        src_cols, dst_cols = inter.slices(part.box)[1:], inter.slices(box)[1:]
         jobs: list[Job] = []
         for j in range(p0 // cr, -(-p1 // cr)):
             lo = j * cr

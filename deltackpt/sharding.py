@@ -84,10 +84,6 @@ class Shard:
     def box(self) -> Box:
         return Box(self.global_offset, tuple(self.local.shape))
 
-    @property
-    def is_whole(self) -> bool:
-        return tuple(self.local.shape) == self.global_shape
-
     def __repr__(self) -> str:
         return (f"Shard(local={tuple(self.local.shape)} {self.local.dtype}, "
                 f"global_shape={self.global_shape}, global_offset={self.global_offset})")
