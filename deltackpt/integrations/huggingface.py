@@ -16,16 +16,14 @@ the weights, optimizer and schedule continue exactly, the data order does not.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..checkpointer import Checkpointer
 from ..examples.train import RngState
 from ..errors import HookClosedError
 from ..hooks import CheckpointHook
-from ..storage import Storage
+from .adapter import AdapterSettings
 
 _COUNTERS = ("global_step", "epoch", "num_input_tokens_seen", "total_flos")
 
@@ -44,7 +42,7 @@ class _TrainerCounters:
             setattr(self.state, name, saved[name])
 
 
-class DeltackptTrainerCallback(TrainerCallback):
+class DeltackptTrainerCallback(AdapterSettings, TrainerCallback):
     """Saves every ``every`` optimizer steps of a ``transformers.Trainer`` into a deltackpt store.
 
     Args:
@@ -62,23 +60,6 @@ class DeltackptTrainerCallback(TrainerCallback):
         >>> callback = DeltackptTrainerCallback(tempfile.mkdtemp(), every=100)
         >>> Trainer(model, args, train_dataset=data, callbacks=[callback]).train()  # doctest: +SKIP
     """
-
-    def __init__(
-        self,
-        checkpointer: Checkpointer | str | os.PathLike[str] | Storage,
-        *,
-        every: int,
-        resume: bool | int = False,
-        track: bool = True,
-    ):
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ValueError(f"every must be a positive int, got {every!r}")
-        self.checkpointer = checkpointer
-        self.every = every
-        self.resume = resume
-        self.track = track
-        self.hook: CheckpointHook | None = None
-        self.restored_step: int | None = None
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, *,

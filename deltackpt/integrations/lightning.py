@@ -12,16 +12,14 @@ where the saved step left it, as Lightning's own ``ckpt_path`` would.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import lightning.pytorch as pl
 
-from ..checkpointer import Checkpointer
 from ..examples.train import RngState
 from ..errors import HookClosedError
 from ..hooks import CheckpointHook
-from ..storage import Storage
+from .adapter import AdapterSettings
 
 
 class _FitLoopState:
@@ -37,7 +35,7 @@ class _FitLoopState:
         self.trainer.fit_loop.load_state_dict(state)
 
 
-class DeltackptCallback(pl.Callback):
+class DeltackptCallback(AdapterSettings, pl.Callback):
     """Saves every ``every`` optimizer steps into a deltackpt store, and resumes from it.
 
     Args:
@@ -56,23 +54,6 @@ class DeltackptCallback(pl.Callback):
         >>> callback = DeltackptCallback(tempfile.mkdtemp(), every=100, resume=True)
         >>> trainer = pl.Trainer(callbacks=[callback], max_steps=1000)  # doctest: +SKIP
     """
-
-    def __init__(
-        self,
-        checkpointer: Checkpointer | str | os.PathLike[str] | Storage,
-        *,
-        every: int,
-        resume: bool | int = False,
-        track: bool = True,
-    ):
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ValueError(f"every must be a positive int, got {every!r}")
-        self.checkpointer = checkpointer
-        self.every = every
-        self.resume = resume
-        self.track = track
-        self.hook: CheckpointHook | None = None
-        self.restored_step: int | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Optimizers and schedulers exist from here on; Lightning restores its own checkpoints
