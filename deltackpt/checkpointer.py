@@ -38,7 +38,7 @@ from .planner import GlobalPlan, ItemInfo, LocalPlan, make_global_plan
 from .policy import BasePolicy, ChainState, EveryK
 from .reader import ChainReader
 from .restoring import fill, plan_restore
-from .saving import PartScan, build_manifest, decide, describe, summarize, write_part
+from .saving import PartScan, build_manifest, decide, describe, pack_name, summarize, write_part
 from .sharding import Box, Shard, row_block
 from .staging import StagingPool
 from .storage import Storage, persist_point
@@ -226,13 +226,18 @@ class Checkpointer:
         kind, reason, attempt, changed = self._coll.one(
             "decide", lambda: self._decide_and_describe(step, plan, scans, local))
 
-        def write() -> dict[tuple[str, str], ChunkMap]:
-            writer = StepWriter(self.store.storage, f"{STEPS}/{attempt}", self._pool, self._executor)
-            for tp, part in owned:
-                write_part(writer, kind, tp.key, part, local["tensors"][tp.key],
-                           local["changes"][tp.key], changed[(tp.key, part.path)], self._sizes)
+        def write() -> tuple[dict[tuple[str, str], ChunkMap], dict[str, ChunkMap]]:
+            writer = StepWriter(self.store.storage, f"{STEPS}/{attempt}", self._pool, self._executor,
+                                pack=pack_name(self.rank) if kind == "delta" else None)
             try:
-                return writer.finish()
+                for tp, part in owned:
+                    write_part(writer, kind, tp.key, part, local["tensors"][tp.key],
+                               local["changes"][tp.key], changed[(tp.key, part.path)], self._sizes)
+            except BaseException:
+                writer.abandon()
+                raise
+            try:
+                return writer.finish(), writer.packs
             finally:
                 self.store.storage.sync(writer.written)
 
@@ -301,7 +306,8 @@ class Checkpointer:
         return kind, reason, attempt, changed
 
     def _commit(self, step: int, kind: str, reason: str, attempt: str, plan: GlobalPlan,
-                changed: dict[tuple[str, str], int], results: list[dict[tuple[str, str], ChunkMap]],
+                changed: dict[tuple[str, str], int],
+                results: list[tuple[dict[tuple[str, str], ChunkMap], dict[str, ChunkMap]]],
                 local: dict[str, Any]) -> Manifest:
         """Coordinator: the commit record from every rank's files, created only if absent."""
         docs = local["docs"]
@@ -310,13 +316,15 @@ class Checkpointer:
         finally:
             self.store.storage.sync(docs.written)
         files: dict[tuple[str, str], ChunkMap] = {}
-        for per_rank in [written, *results]:
+        packs: dict[str, ChunkMap] = {}
+        for per_rank, rank_packs in [(written, {}), *results]:
             for where, chunks in per_rank.items():
                 files.setdefault(where, {}).update(chunks)
+            packs.update(rank_packs)
         manifest = build_manifest(
             step=step, kind=kind, attempt=attempt, head=self._head, world_size=self.world_size,
             policy={"name": self.policy.name, "decision": kind, "reason": reason},
-            plan=plan, changed=changed, files=files, sizes=self._sizes,
+            plan=plan, changed=changed, files=files, packs=packs, sizes=self._sizes,
         )
         lease.check(self.store, self._lease)
         if not self.store.commit(manifest):

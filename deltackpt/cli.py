@@ -107,9 +107,10 @@ def cmd_show(args: argparse.Namespace) -> int:
               f"{rec.changed:>9} {fmt_bytes(rec.nbytes_written):>11}")
         if args.chunks:
             for part in rec.parts:
-                for name, (size, digest) in part.chunks.items():
+                for name, entry in part.chunks.items():
                     where = f"{part.path}/{name}" if part.path else name
-                    print(f"    {where:<36} {size:>12} xxh3:{digest}")
+                    packed = f" in {part.pack} at {entry[2]}" if part.pack else ""
+                    print(f"    {where:<36} {entry[0]:>12} xxh3:{entry[1]}{packed}")
     return 0
 
 

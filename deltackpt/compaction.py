@@ -141,7 +141,7 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
             base=m.step, chain_length=0, world_size=m.world_size, created=time.time(),
             policy={"name": "compaction", "decision": "base",
                     "reason": f"compacted a chain of {len(work.chain)} records"},
-            tree=m.tree, tensors=tensors,
+            tree=m.tree, tensors=tensors, packs={},
             bytes_written=sum(size for chunks in files.values() for size, _ in chunks.values()),
             state_bytes=m.state_bytes, compacts=m.attempt,
         )

@@ -1,6 +1,6 @@
 """The commit record (manifest) of a step: the JSON document whose presence makes a step exist.
 
-Format 1 is documented in ``docs/format.md``. Parsing is strict: a record that breaks the format
+Format 2 is documented in ``docs/format.md``. Parsing is strict: a record that breaks the format
 raises :class:`ManifestError` naming the record and the field, never a deep traceback, and no
 size read from a record is trusted for an allocation before it is checked against the shape.
 """
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import dtypes
@@ -17,7 +18,7 @@ from .errors import ManifestError, StateError
 from .planner import check_tiling
 from .sharding import Box
 
-FORMAT = 1
+FORMAT = 2
 KINDS = ("base", "delta")
 ENCODINGS = ("full", "rows", "chunks")
 
@@ -33,8 +34,11 @@ class PartRecord:
             used when one part covers the whole tensor; else ``"p<i>"``).
         chunk_shape: the chunk shape of the stored array (of ``rows`` for ``"rows"``).
         changed: rows written (``"full"``, ``"rows"``) or chunks written (``"chunks"``).
-        chunks: every file written, by key relative to the part's folder, as
-            ``[size_in_bytes, xxh3_64_hex]``.
+        chunks: every chunk written, by key relative to the part's folder (``c.3.0``,
+            ``ids/c.0``, ``zarr.json``), as ``[size_in_bytes, xxh3_64_hex]``, or for a chunk in
+            a pack ``[size_in_bytes, xxh3_64_hex, offset_in_pack]``.
+        pack: the pack holding the part's chunks (a delta's ``pack.<rank>``), or None when each
+            chunk is a file.
     """
 
     offset: tuple[int, ...]
@@ -42,7 +46,8 @@ class PartRecord:
     path: str
     chunk_shape: tuple[int, ...]
     changed: int
-    chunks: dict[str, tuple[int, str]] = field(default_factory=dict)
+    chunks: dict[str, tuple[int, str] | tuple[int, str, int]] = field(default_factory=dict)
+    pack: str | None = None
 
     @property
     def box(self) -> Box:
@@ -50,7 +55,12 @@ class PartRecord:
 
     @property
     def nbytes_written(self) -> int:
-        return sum(size for size, _ in self.chunks.values())
+        return sum(entry[0] for entry in self.chunks.values())
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"offset": list(self.offset), "shape": list(self.shape), "path": self.path,
+                "chunk_shape": list(self.chunk_shape), "changed": self.changed,
+                "chunks": {k: list(v) for k, v in self.chunks.items()}, "pack": self.pack}
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,10 @@ class TensorRecord:
     def nbytes_written(self) -> int:
         return sum(p.nbytes_written for p in self.parts)
 
+    def to_doc(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape), "encoding": self.encoding,
+                "parts": [p.to_doc() for p in self.parts]}
+
 
 @dataclass(frozen=True)
 class Manifest:
@@ -98,7 +112,9 @@ class Manifest:
         policy: the base-cadence policy's name, its decision and the reason.
         tree: the JSON skeleton of the state (see :mod:`deltackpt.statetree`).
         tensors: every tensor of the state by flat key.
-        bytes_written: bytes of all chunk files of this step.
+        packs: the files of each pack (a delta's chunks, back to back, per writing rank), by
+            pack name and file key (``c.0``, ``zarr.json``), as ``[size_in_bytes, xxh3_64_hex]``.
+        bytes_written: bytes of all files of this step.
         state_bytes: bytes of every tensor of the state, what a full checkpoint writes.
         compacts: for a base made by compaction (``bases/``), the attempt of the step's own
             record that it stands in for; None otherwise.
@@ -116,13 +132,23 @@ class Manifest:
     policy: dict[str, Any]
     tree: dict[str, Any]
     tensors: dict[str, TensorRecord]
+    packs: dict[str, dict[str, tuple[int, str]]]
     bytes_written: int
     state_bytes: int
     compacts: str | None = None
     format: int = FORMAT
 
+    def pack_chunk(self, pack: str) -> int:
+        """The size of every file of a pack (its zarr chunk size)."""
+        return self.packs[pack]["c.0"][0]
+
     def to_json(self) -> bytes:
-        doc = asdict(self)
+        doc = {name: getattr(self, name) for name in (
+            "step", "kind", "attempt", "parent", "parent_attempt", "base", "chain_length",
+            "world_size", "created", "policy", "tree", "bytes_written", "state_bytes", "compacts",
+            "format")}
+        doc["tensors"] = {k: t.to_doc() for k, t in self.tensors.items()}
+        doc["packs"] = {k: {n: list(e) for n, e in files.items()} for k, files in self.packs.items()}
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
@@ -172,9 +198,14 @@ def _parse(doc: Any, where: str) -> Manifest:
     kind = _field(doc, "kind", str, where)
     if kind not in KINDS:
         raise ManifestError(f"{where}: field 'kind' must be one of {KINDS}, got {kind!r}")
+    packs = {}
+    for name, files in _field(doc, "packs", dict, where).items():
+        if not isinstance(files, dict) or not _PACK.match(name) or "c.0" not in files:
+            raise ManifestError(f"{where}: pack {name!r:.40} has a bad entry {files!r:.80}")
+        packs[name] = _chunk_map(files, f"{where}: pack {name!r}", packed=False)
     tensors = {}
     for key, rec in _field(doc, "tensors", dict, where).items():
-        tensors[key] = _parse_tensor(rec, f"{where}: tensor {key!r}")
+        tensors[key] = _parse_tensor(rec, packs, f"{where}: tensor {key!r}")
     created = _field(doc, "created", (int, float), where)
     if not math.isfinite(created):
         raise ManifestError(f"{where}: field 'created' has a bad value {created!r}")
@@ -191,6 +222,7 @@ def _parse(doc: Any, where: str) -> Manifest:
         policy=_field(doc, "policy", dict, where),
         tree=_field(doc, "tree", dict, where),
         tensors=tensors,
+        packs=packs,
         bytes_written=_count(doc, "bytes_written", where),
         state_bytes=_count(doc, "state_bytes", where),
         compacts=_field(doc, "compacts", (str, type(None)), where),
@@ -241,7 +273,7 @@ def _check_tree(node: Any, tensors: dict[str, TensorRecord], where: str, depth: 
         raise ManifestError(f"{where}: unknown node kind {kind!r:.80}")
 
 
-def _parse_tensor(rec: Any, where: str) -> TensorRecord:
+def _parse_tensor(rec: Any, packs: dict[str, dict[str, tuple[int, str]]], where: str) -> TensorRecord:
     if not isinstance(rec, dict):
         raise ManifestError(f"{where}: must be a JSON object")
     shape = _dims(rec, "shape", where)
@@ -254,7 +286,7 @@ def _parse_tensor(rec: Any, where: str) -> TensorRecord:
     if dtype not in dtypes.NAMES:
         raise ManifestError(f"{where}: unknown dtype {dtype!r:.40}")
     parts = tuple(
-        _parse_part(p, shape, encoding, f"{where} part {i}")
+        _parse_part(p, shape, encoding, packs, f"{where} part {i}")
         for i, p in enumerate(_field(rec, "parts", list, where))
     )
     if len({p.path for p in parts}) != len(parts) or ("" in {p.path for p in parts} and len(parts) > 1):
@@ -274,7 +306,8 @@ def _dims(doc: dict[str, Any], name: str, where: str) -> tuple[int, ...]:
     return tuple(dims)
 
 
-def _parse_part(rec: Any, shape: tuple[int, ...], encoding: str, where: str) -> PartRecord:
+def _parse_part(rec: Any, shape: tuple[int, ...], encoding: str,
+                packs: dict[str, dict[str, tuple[int, str]]], where: str) -> PartRecord:
     if not isinstance(rec, dict):
         raise ManifestError(f"{where}: must be a JSON object")
     offset, pshape = _dims(rec, "offset", where), _dims(rec, "shape", where)
@@ -295,18 +328,36 @@ def _parse_part(rec: Any, shape: tuple[int, ...], encoding: str, where: str) -> 
     if not fits or any(d < 1 for d in chunk_shape):
         raise ManifestError(f"{where}: chunk_shape {list(chunk_shape)} does not fit shape "
                             f"{list(pshape)} and encoding {encoding!r}")
+    pack = _field(rec, "pack", (str, type(None)), where)
+    if pack is not None and pack not in packs:
+        raise ManifestError(f"{where}: pack {pack!r:.40} is not in 'packs'")
+    chunks = _chunk_map(_field(rec, "chunks", dict, where), where, packed=pack is not None)
+    if pack is not None:
+        files = packs[pack]
+        room = files["c.0"][0] * sum(name.startswith("c.") for name in files)
+        for key, (size, _, at) in chunks.items():
+            if at + size > room:
+                raise ManifestError(f"{where}: chunk {key!r} at {at} of {size} B lies outside "
+                                    f"{pack} ({room} B)")
+    return PartRecord(offset, pshape, path, chunk_shape, changed, chunks, pack)
+
+
+_PACK = re.compile(r"^pack\.\d+$")
+
+
+def _chunk_map(doc: dict[str, Any], where: str, *, packed: bool) -> dict[str, Any]:
+    """File or chunk entries: ``[size, xxh3_64_hex]``, plus the offset in the pack if ``packed``."""
     chunks = {}
-    for key, entry in _field(rec, "chunks", dict, where).items():
+    for key, entry in doc.items():
         ok = (
             isinstance(entry, list)
-            and len(entry) == 2
-            and isinstance(entry[0], int)
-            and not isinstance(entry[0], bool)
-            and 0 <= entry[0] < 2**62
+            and len(entry) == 2 + packed
+            and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**62
+                    for n in entry[:1] + entry[2:])
             and isinstance(entry[1], str)
             and len(entry[1]) == 16
         )
         if not ok or ".." in key.split("/") or key.startswith("/"):
             raise ManifestError(f"{where}: chunk {key!r} has a bad entry {entry!r:.80}")
-        chunks[key] = (entry[0], entry[1])
-    return PartRecord(offset, pshape, path, chunk_shape, changed, chunks)
+        chunks[key] = tuple(entry)
+    return chunks

@@ -85,27 +85,22 @@ def tensor_bytes(t: TensorPlan) -> int:
 
 def describe(writer: StepWriter, plan: GlobalPlan, kind: str, changed: dict[tuple[str, str], int],
              sizes: tuple[int, int]) -> None:
-    """Coordinator: writes the zarr metadata of every array and group of the step."""
+    """Coordinator: writes the zarr metadata of every array and group of the step (of a base;
+    a delta's chunks go into packs, which their writers describe)."""
     folders = {""}
-    for t in plan.tensors.values():
-        dt = dtypes.from_name(t.dtype)
-        enc = encoding(kind, t.global_shape)
-        for p in t.parts:
-            n = changed[(t.key, p.path)]
-            cs = chunk_shape(enc, p.box.shape, itemsize(t.dtype), n, *sizes)
-            if enc == "full":
-                writer.array(t.key, p.path, "", p.box.shape, cs, dt)
-            elif n == 0:
-                continue  # an unchanged part writes nothing, not even metadata
-            elif enc == "rows":
-                writer.group(t.key, p.path)
-                writer.array(t.key, p.path, "ids", (n,), (cs[0],), torch.int64)
-                writer.array(t.key, p.path, "rows", (n, *p.box.shape[1:]), cs, dt)
-            else:
-                writer.array(t.key, p.path, "", (p.box.numel,), cs, dt)
-            names = part_folder(t.key, p.path).split("/")
-            folders.update("/".join(names[:i]) for i in range(1, len(names)))
+    if kind == "base":
+        for t in plan.tensors.values():
+            for p in t.parts:
+                cs = chunk_shape("full", p.box.shape, itemsize(t.dtype), changed[(t.key, p.path)], *sizes)
+                writer.array(t.key, p.path, "", p.box.shape, cs, dtypes.from_name(t.dtype))
+                names = part_folder(t.key, p.path).split("/")
+                folders.update("/".join(names[:i]) for i in range(1, len(names)))
     writer.groups(sorted(folders))
+
+
+def pack_name(rank: int) -> str:
+    """The pack holding the chunks rank ``rank`` writes for a delta."""
+    return f"pack.{rank}"
 
 
 def write_part(writer: StepWriter, kind: str, key: str, part: PartPlan, t: torch.Tensor,
@@ -123,15 +118,18 @@ def write_part(writer: StepWriter, kind: str, key: str, part: PartPlan, t: torch
 
 def build_manifest(*, step: int, kind: str, attempt: str, head: Manifest | None, world_size: int,
                    policy: dict[str, Any], plan: GlobalPlan, changed: dict[tuple[str, str], int],
-                   files: dict[tuple[str, str], ChunkMap], sizes: tuple[int, int]) -> Manifest:
-    """The commit record of a save: every part with the files every rank wrote for it."""
+                   files: dict[tuple[str, str], ChunkMap], packs: dict[str, ChunkMap],
+                   sizes: tuple[int, int]) -> Manifest:
+    """The commit record of a save: every part with the chunks every rank wrote for it, and
+    the files of every pack."""
     tensors = {}
     for t in plan.tensors.values():
         enc = encoding(kind, t.global_shape)
         parts = tuple(
             PartRecord(p.box.offset, p.box.shape, p.path,
                        chunk_shape(enc, p.box.shape, itemsize(t.dtype), changed[(t.key, p.path)], *sizes),
-                       changed[(t.key, p.path)], files.get((t.key, p.path), {}))
+                       changed[(t.key, p.path)], files.get((t.key, p.path), {}),
+                       pack_name(p.writer) if kind == "delta" and changed[(t.key, p.path)] else None)
             for p in t.parts
         )
         tensors[t.key] = TensorRecord(t.dtype, t.global_shape, enc, parts)
@@ -149,6 +147,9 @@ def build_manifest(*, step: int, kind: str, attempt: str, head: Manifest | None,
         policy=policy,
         tree=plan.tree,
         tensors=tensors,
-        bytes_written=sum(size for chunks in files.values() for size, _ in chunks.values()),
+        packs=packs,
+        # Files only: a packed chunk's bytes are counted in its pack's files.
+        bytes_written=sum(e[0] for chunks in [*files.values(), *packs.values()]
+                          for e in chunks.values() if len(e) == 2),
         state_bytes=sum(tensor_bytes(t) for t in plan.tensors.values()),
     )

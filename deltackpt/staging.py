@@ -4,6 +4,7 @@ Fresh memory is slow on many VMs (the host reclaims idle pages, and touching the
 page fault each), and allocating per save would make peak memory grow with the model. The pool
 holds a fixed number of chunk-sized buffers, allocated on first use and reused by every save and
 restore; a caller waits when all are in use, which bounds the memory a save or restore adds.
+Buffers start on a 4 KiB boundary, so storage can write them past the page cache (``O_DIRECT``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import queue
 import threading
 
 import torch
+
+from .storage import BLOCK
 
 
 class StagingPool:
@@ -27,6 +30,7 @@ class StagingPool:
         self.nbytes = nbytes
         self._pin = pin
         self._free: queue.LifoQueue[torch.Tensor] = queue.LifoQueue()
+        self._buffers: dict[int, torch.Tensor] = {}  # every pooled buffer, by address
         self._slots = threading.Semaphore(buffers)
         self._zeros = torch.zeros(0, dtype=torch.uint8)
         self._lock = threading.Lock()
@@ -46,15 +50,23 @@ class StagingPool:
         """
         self._slots.acquire()
         if nbytes > self.nbytes:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+            return self._aligned(nbytes)
         try:
             buf = self._free.get_nowait()
         except queue.Empty:
-            buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self._pin)
+            buf = self._aligned(self.nbytes)
+            with self._lock:
+                self._buffers[buf.data_ptr()] = buf
         return buf[:nbytes]
 
     def release(self, buf: torch.Tensor) -> None:
-        base = buf if buf._base is None else buf._base
-        if base.numel() == self.nbytes:
-            self._free.put(base)
+        with self._lock:
+            pooled = self._buffers.get(buf.data_ptr())
+        if pooled is not None:
+            self._free.put(pooled)
         self._slots.release()
+
+    def _aligned(self, nbytes: int) -> torch.Tensor:
+        raw = torch.empty(nbytes + BLOCK, dtype=torch.uint8, pin_memory=self._pin)
+        start = -raw.data_ptr() % BLOCK
+        return raw[start : start + nbytes]

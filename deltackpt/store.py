@@ -1,7 +1,7 @@
 """The store's layout: commit records, step folders, zarr v3 metadata.
 
 ```
-ROOT/zarr.json                        zarr v3 group; attributes {"deltackpt": {"format": 1}}
+ROOT/zarr.json                        zarr v3 group; attributes {"deltackpt": {"format": 2}}
 ROOT/commits/00000000000000000042.json   commit record of step 42 (its presence makes step 42 exist)
 ROOT/bases/00000000000000000042.json     a base of step 42 made by compaction (optional)
 ROOT/steps/zarr.json                  zarr v3 group
@@ -50,14 +50,16 @@ def group_doc(attributes: dict[str, Any] | None = None) -> bytes:
     ).encode()
 
 
-def array_doc(shape: tuple[int, ...], chunk_shape: tuple[int, ...], dtype: torch.dtype) -> bytes:
-    """The zarr v3 metadata of an array holding ``dtype`` data, raw or blosc-lz4 coded."""
+def array_doc(shape: tuple[int, ...], chunk_shape: tuple[int, ...], dtype: torch.dtype,
+              *, raw: bool = False) -> bytes:
+    """The zarr v3 metadata of an array holding ``dtype`` data, blosc-lz4 coded where the dtype
+    compresses, unless ``raw``."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     bytes_codec: dict[str, Any] = {"name": "bytes"}
     if itemsize > 1:
         bytes_codec["configuration"] = {"endian": "little"}
     codecs = [bytes_codec]
-    if dtypes.compresses(dtype):
+    if dtypes.compresses(dtype) and not raw:
         codecs.append(
             {
                 "name": "blosc",

@@ -5,12 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from functools import partial
+
+import torch
 
 from .errors import BrokenChainError, DeltackptError, IntegrityError, MissingChunkError
-from .manifest import Manifest, PartRecord
-from .reader import fetch, stored_size
+from .manifest import Manifest
+from .reader import fetch, fetch_file, file_size, stored_size
 from .staging import StagingPool
-from .store import Store
+from .store import STEPS, Store
 
 
 @dataclass(frozen=True)
@@ -85,28 +88,40 @@ def verify(
 
 def _check_step(store: Store, m: Manifest, pool: StagingPool, executor: Executor,
                 report: VerifyReport, progress: Callable[[int], None]) -> list[Problem]:
-    def check(key: str, part: PartRecord, name: str, size: int) -> Problem | None:
+    """Every file of the step's packs, then every chunk of its parts (a chunk in a pack is read
+    from the pack again and checked on its own)."""
+    storage = store.storage
+
+    def check(size: Callable[[], int], read: Callable[[torch.Tensor], None]) -> Problem | None:
         try:
-            stored_size(store.storage, m, key, part, name)
-            buf = pool.acquire(size)
+            n = size()  # checked against the file before a buffer is sized by it
+            buf = pool.acquire(n)
             try:
-                fetch(store.storage, m, key, part, name, buf)
+                read(buf)
             finally:
                 pool.release(buf)
         except MissingChunkError as e:
             return Problem(m.step, "missing", e.key, str(e))
         except IntegrityError as e:
             return Problem(m.step, "corrupt", e.key, str(e))
-        progress(size)
+        progress(n)
         return None
 
-    futures = []
+    jobs: list[tuple[int, Callable[[], int], Callable[[torch.Tensor], None]]] = []
+    for pack, files in m.packs.items():
+        for name, entry in files.items():
+            path = f"{STEPS}/{m.attempt}/{pack}/{name}"
+            jobs.append((entry[0], partial(file_size, storage, m.step, path, entry),
+                         partial(fetch_file, storage, m.step, path, entry)))
     for key, rec in m.tensors.items():
         for part in rec.parts:
-            for name, (size, _) in part.chunks.items():
-                report.chunks += 1
-                report.bytes += size
-                futures.append(executor.submit(check, key, part, name, size))
+            for name, entry in part.chunks.items():
+                jobs.append((entry[0], partial(stored_size, storage, m, key, part, name),
+                             partial(fetch, storage, m, key, part, name)))
+    futures = []
+    for size, sizer, read in jobs:
+        report.chunks += 1
+        report.bytes += size
+        futures.append(executor.submit(check, sizer, read))
     found = [p for f in futures if (p := f.result()) is not None]
     return sorted(found, key=lambda p: p.key)
-

@@ -6,6 +6,12 @@ the commit record. Rows and device data pass through the staging pool; whole CPU
 written straight from their memory. Edge chunks are padded with zeros to the full chunk shape, as
 zarr v3 stores them, so any zarr v3 reader reads the arrays.
 
+A delta's chunks are small and many (two per changed part), and on a file system each file and
+folder costs more than its bytes: a 1% delta of a 56-tensor DLRM made 218 files in 134 folders.
+So a delta's chunks go back to back into one pack per writing rank instead (``pack.<rank>``, a
+uint8 zarr array in files of up to ``chunk_bytes``), and the record gives each chunk's offset in
+it beside its size and checksum.
+
 The geometry functions are shared by the coordinator (which writes every array's metadata) and
 the rank that writes a part's chunks, so both agree on the chunk grid.
 """
@@ -27,7 +33,9 @@ from .staging import StagingPool
 from .storage import Storage
 from .store import array_doc, group_doc
 
-ChunkMap = dict[str, tuple[int, str]]
+# A chunk's [size, xxh3-64 hex], and for a chunk in a pack, its byte offset there.
+Entry = tuple[int, str] | tuple[int, str, int]
+ChunkMap = dict[str, Entry]
 
 
 def rows_per_chunk(rows: int, row_bytes: int, chunk_bytes: int) -> int:
@@ -88,9 +96,12 @@ class StepWriter:
         folder: the attempt folder (``steps/ATTEMPT``).
         pool: staging buffers.
         executor: the I/O threads.
+        pack: the pack that takes every chunk (a delta's ``pack.<rank>``); None writes a file
+            per chunk.
     """
 
-    def __init__(self, storage: Storage, folder: str, pool: StagingPool, executor: Executor):
+    def __init__(self, storage: Storage, folder: str, pool: StagingPool, executor: Executor,
+                 pack: str | None = None):
         self._storage = storage
         self._folder = folder
         self._pool = pool
@@ -98,6 +109,17 @@ class StepWriter:
         self._futures: list[Future[None]] = []
         self._lock = threading.Lock()
         self.results: dict[tuple[str, str], ChunkMap] = {}
+        self.packs: dict[str, ChunkMap] = {}  # a pack's own files, by pack name
+        self._pack = None
+        if pack is not None:
+
+            def write(name: str, parts: Callable[[], list[memoryview]], release: Callable[[], None]) -> None:
+                def record(size: int, digest: str) -> None:
+                    self.packs.setdefault(pack, {})[name] = (size, digest)
+
+                self._submit_path(f"{folder}/{pack}/{name}", parts, record, release)
+
+            self._pack = _Pack(pool, write)
         self.written: list[str] = []  # every file written, for the directory syncs
 
     # -- metadata (coordinator) ------------------------------------------------------------------
@@ -178,19 +200,38 @@ class StepWriter:
             self._put(key, path, chunk_key(c, 1), flat[lo:hi], pad, t.dtype)
 
     def finish(self) -> dict[tuple[str, str], ChunkMap]:
-        """Waits for every write and returns the files written per (tensor key, part path).
+        """Waits for every write and returns the chunks written per (tensor key, part path);
+        the files of the pack, if any, are in :attr:`packs`.
 
         Raises the first write error, after every write has ended.
         """
+        error = None
+        if self._pack is not None:
+            try:
+                self._pack.close()
+            except BaseException as e:  # noqa: BLE001 - the queued writes must still end
+                error = e
+        error = self._wait() or error
+        if error is not None:
+            raise error
+        return self.results
+
+    def abandon(self) -> None:
+        """After a failure: waits for the queued writes and gives back every staging buffer,
+        ignoring write errors (the failure that led here is the one to report)."""
+        if self._pack is not None:
+            self._pack.discard()
+        self._wait()
+
+    def _wait(self) -> BaseException | None:
+        """Waits for every queued write; returns the first error."""
         error = None
         for f in self._futures:
             try:
                 f.result()
             except BaseException as e:  # noqa: BLE001 - every write must end before raising
                 error = error or e
-        if error is not None:
-            raise error
-        return self.results
+        return error
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -218,6 +259,12 @@ class StepWriter:
     def _submit(self, key: str, path: str, name: str, parts: Callable[[], list[memoryview]],
                 release: Callable[[], None] = lambda: None) -> None:
         chunks = self.results.setdefault((key, path), {})
+        if self._pack is not None:
+            try:
+                chunks[name] = self._pack.append(parts())
+            finally:
+                release()
+            return
 
         def record(size: int, digest: str) -> None:
             chunks[name] = (size, digest)
@@ -242,3 +289,70 @@ class StepWriter:
                 release()
 
         self._futures.append(self._executor.submit(job))
+
+
+class _Pack:
+    """Chunks stored back to back in one uint8 array (a delta's ``pack.<rank>``).
+
+    Bytes gather in a staging buffer of the pool's size; each full buffer is written as the next
+    chunk file. A pack that fits in one buffer is one chunk of exactly its size; a longer one has
+    chunks of the buffer size, the last padded with zeros as zarr v3 stores edge chunks.
+
+    Args:
+        pool: staging buffers; the pack's chunk size is their size.
+        write: queues the write of one file of the pack: ``write(name, parts, release)``.
+    """
+
+    def __init__(self, pool: StagingPool,
+                 write: Callable[[str, Callable[[], list[memoryview]], Callable[[], None]], None]):
+        self._pool = pool
+        self._write = write
+        self._chunk = pool.nbytes
+        self._buf: torch.Tensor | None = None
+        self._fill = 0
+        self._flushed = 0
+        self.size = 0
+
+    def append(self, data: list[memoryview]) -> tuple[int, str, int]:
+        """Adds one chunk's bytes; returns its size, xxh3-64 and offset in the pack."""
+        offset = self.size
+        h = xxhash.xxh3_64()
+        for part in data:
+            h.update(part)
+            src = np.frombuffer(part, np.uint8)
+            while src.size:
+                if self._buf is None:
+                    self._buf = self._pool.acquire(self._chunk)
+                    self._fill = 0
+                n = min(src.size, self._chunk - self._fill)
+                self._buf.numpy()[self._fill : self._fill + n] = src[:n]
+                self._fill += n
+                self.size += n
+                src = src[n:]
+                if self._fill == self._chunk:
+                    self._flush(self._chunk)
+        return self.size - offset, h.hexdigest(), offset
+
+    def close(self) -> None:
+        """Writes the last chunk and the array's metadata (nothing for an empty pack)."""
+        if self.size == 0:
+            return
+        chunk = self._chunk if self._flushed else self._fill
+        if self._buf is not None:
+            self._flush(chunk)
+        doc = array_doc((self.size,), (chunk,), torch.uint8, raw=True)  # chunks coded on their own
+        self._write("zarr.json", lambda: [memoryview(doc)], lambda: None)
+
+    def discard(self) -> None:
+        """Gives back the buffer being filled, unwritten."""
+        if self._buf is not None:
+            self._pool.release(self._buf)
+            self._buf = None
+
+    def _flush(self, chunk: int) -> None:
+        buf, fill = self._buf, self._fill
+        self._buf = None
+        buf[fill:chunk].zero_()  # padding in place: one aligned part, written past the page cache
+        body = memoryview(buf.numpy())[:chunk]
+        self._write(chunk_key(self._flushed, 1), lambda: [body], lambda: self._pool.release(buf))
+        self._flushed += 1

@@ -52,15 +52,42 @@ def test_flipped_byte(store):
             ckpt.load(1)
 
 
-def test_truncated_chunk(store):
-    f = chunk_file(store, 1, "table", "rows/c.0.0")
+def pack_file(path, step: int) -> tuple[str, dict]:
+    """The first file of the step's pack, and the record's entries of the chunks of ``table``."""
+    with Checkpointer(path, create=False) as ckpt:
+        m = ckpt.store.manifest(step)
+        part = m.tensors["table"].parts[0]
+        assert part.pack == "pack.0" and set(m.packs["pack.0"]) == {"zarr.json", "c.0"}
+        return os.path.join(path, "steps", m.attempt, "pack.0", "c.0"), part.chunks
+
+
+def test_truncated_pack(store):
+    f, _ = pack_file(store, 1)
     os.truncate(f, os.path.getsize(f) // 2)
     with Checkpointer(store, create=False) as ckpt:
         report = ckpt.verify()
-        assert [(p.step, p.kind) for p in report.problems] == [(1, "corrupt")]
-        assert "bytes on disk" in report.problems[0].detail
+        assert {(p.step, p.kind) for p in report.problems} == {(1, "corrupt")}
+        assert any(p.key.endswith("pack.0/c.0") and "bytes on disk" in p.detail for p in report.problems)
         assert ckpt.verify(0).ok  # the base does not refer to it
         ckpt.load(0)
+        with pytest.raises(IntegrityError, match="pack.0/c.0"):
+            ckpt.load(1)
+
+
+def test_flipped_byte_in_a_packed_chunk(store):
+    f, chunks = pack_file(store, 1)
+    size, _, at = chunks["rows/c.0.0"]
+    with open(f, "r+b") as fh:
+        fh.seek(at + size // 2)
+        b = fh.read(1)
+        fh.seek(at + size // 2)
+        fh.write(bytes([b[0] ^ 0xFF]))
+    with Checkpointer(store, create=False) as ckpt:
+        report = ckpt.verify()
+        assert {(p.step, p.kind) for p in report.problems} == {(1, "corrupt")}
+        keys = sorted(p.key for p in report.problems)
+        assert len(keys) == 2 and keys[0].endswith("pack.0/c.0")  # the file, and the chunk in it
+        assert f"table/rows/c.0.0 (in pack.0 at byte {at})" in keys[1]
         with pytest.raises(IntegrityError, match="rows/c.0.0"):
             ckpt.load(1)
 

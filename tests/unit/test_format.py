@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from numcodecs import Blosc
 
 from deltackpt import Checkpointer
 
@@ -20,7 +21,7 @@ def read(path, step: int, key: str, attempt_of) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64, torch.bool, torch.uint8])
-def test_base_and_delta_arrays_read_with_zarr(store_path, dtype):
+def test_base_arrays_and_delta_packs_read_with_zarr(store_path, dtype):
     gen = torch.Generator().manual_seed(0)
     table = torch.randint(0, 2, (1001, 3), generator=gen).to(dtype)
     vec = torch.randint(0, 2, (517,), generator=gen).to(dtype)
@@ -32,14 +33,25 @@ def test_base_and_delta_arrays_read_with_zarr(store_path, dtype):
         attempt = lambda s: ckpt.store.manifest(s).attempt  # noqa: E731
         m1 = ckpt.store.manifest(1)
     assert int(read(store_path, 0, "s", attempt)) == (1 if dtype == torch.bool else 3)
-    np.testing.assert_array_equal(read(store_path, 1, "t/ids", attempt), [5, 900])
-    np.testing.assert_array_equal(read(store_path, 1, "t/rows", attempt), table[[5, 900]].numpy())
-    # A dense delta holds only the changed chunk; zarr reads the rest as the fill value.
+    # A delta's chunks lie back to back in its pack, which zarr reads as bytes.
+    pack = read(store_path, 1, "pack.0", attempt)
+    assert set(m1.packs) == {"pack.0"} and pack.dtype == np.uint8
+
+    def chunk(key: str, name: str, np_dtype) -> np.ndarray:
+        size, _, at = m1.tensors[key].parts[0].chunks[name]
+        data = pack[at : at + size].tobytes()
+        if np_dtype in (np.int64, np.bool_, np.uint8):  # integer arrays are blosc-coded
+            data = Blosc().decode(data)
+        return np.frombuffer(data, np_dtype)
+
+    np_dtype = table.numpy().dtype.type
+    np.testing.assert_array_equal(chunk("t", "ids/c.0", np.int64), [5, 900])
+    np.testing.assert_array_equal(chunk("t", "rows/c.0.0", np_dtype).reshape(2, 3), table[[5, 900]].numpy())
+    # A dense delta holds only the changed chunk.
     per_chunk = 64 // vec.element_size()
-    assert set(m1.tensors["v"].parts[0].chunks) == {"zarr.json", f"c.{500 // per_chunk}"}
+    assert set(m1.tensors["v"].parts[0].chunks) == {f"c.{500 // per_chunk}"}
     lo = 500 // per_chunk * per_chunk
-    flat = read(store_path, 1, "v", attempt)
-    np.testing.assert_array_equal(flat[lo : lo + per_chunk], vec[lo : lo + per_chunk].numpy())
+    np.testing.assert_array_equal(chunk("v", f"c.{500 // per_chunk}", np_dtype), vec[lo : lo + per_chunk].numpy())
 
 
 def test_bfloat16_is_stored_as_its_bits(store_path):

@@ -84,7 +84,7 @@ def test_truncated_or_garbage_bytes(record, cut, junk):
 @pytest.mark.parametrize(
     "patch, message",
     [
-        ({"format": 2}, "format 2 is not supported"),
+        ({"format": 1}, "format 1 is not supported"),
         ({"step": -1}, "'step' is out of range"),
         ({"kind": "full"}, "'kind' must be one of"),
         ({"parent": None}, "disagrees with parent"),
@@ -104,7 +104,7 @@ def test_a_damaged_record_leaves_other_steps_readable(tmp_path):
         ckpt.save(1, {"w": torch.ones(2, 2)})
         ckpt.save(2, {"w": torch.ones(2, 2) * 2})
     with open(os.path.join(tmp_path, *commit_key(2).split("/")), "w") as f:
-        f.write('{"format": 1, "step": 99999999999999999999999}')
+        f.write('{"format": 2, "step": 99999999999999999999999}')
     with Checkpointer(tmp_path, create=False) as ckpt:
         assert ckpt.steps() == [0, 1, 2]
         assert ckpt.load(1)["w"].eq(1).all()
