@@ -10,8 +10,10 @@ their bytes. Both are found one of two ways:
   ``0.0``. A change goes unseen only on an XXH64 collision (about 2^-64 per changed row or chunk).
 * Marks (:mod:`deltackpt.tracking`): for a tracked table and its aligned optimizer state, the
   rows its lookups marked since the last commit, with no pass over the table. The hashes of those
-  rows (or of the chunks holding them, for 1-D state) are recomputed on the table's device, so
-  the last commit's hashes stay current at O(changed) cost. Each such save also re-hashes a
+  rows (or of the chunks holding them, for 1-D state) are recomputed, so the last commit's hashes
+  stay current at O(changed) cost: a delta's writer hashes them from the copies it writes
+  (:func:`deltackpt.saving.write_part`), and :meth:`ChangeTracker.adopt` hashes whatever no
+  writer did (in a base). Each such save also re-hashes a
   random sample of unmarked rows (the :class:`~deltackpt.marks.Canary`) and compares them
   with the last commit: a mismatch means something changes rows without a lookup (weight decay,
   dense Adam, a custom optimizer). It logs a warning naming the table, hashes that table and its
@@ -50,12 +52,13 @@ class TensorChange:
             nothing to compare with (a new tensor, or a new dtype or shape): the tensor must be
             written whole.
         hashes: the tensor's hashes now (per row or per chunk, on the CPU): of every row or
-            chunk, or only of those in ``changed`` when ``partial``.
+            chunk, or when ``partial`` only of those in ``changed``, then None until the save's
+            writer (or :meth:`ChangeTracker.adopt`) computes them.
         partial: whether ``hashes`` covers ``changed`` only (a change set found from marks).
     """
 
     changed: torch.Tensor | None
-    hashes: torch.Tensor
+    hashes: torch.Tensor | None
     partial: bool = False
 
 
@@ -130,7 +133,7 @@ class ChangeTracker:
             ch = changes[key]
             if ch.partial:
                 ref = self._refs[key]
-                ref.hashes[ch.changed] = ch.hashes
+                ref.hashes[ch.changed] = ch.hashes if ch.hashes is not None else self._hash_units(t, ch.changed)
                 refs[key] = ref
             else:
                 refs[key] = _Reference(t.dtype, tuple(t.shape), ch.hashes)
@@ -188,8 +191,7 @@ class ChangeTracker:
         ref = self._refs.get(key)
         if ref is None or not ref.matches(t):
             return TensorChange(None, self.hash(t))
-        units = self._units(t, ids)
-        return TensorChange(units, self._hash_units(t, units), partial=True)
+        return TensorChange(self._units(t, ids), None, partial=True)
 
     def _canary(
         self, group: TrackedGroup, members: dict[str, torch.Tensor], ids: torch.Tensor

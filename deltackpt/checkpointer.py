@@ -231,8 +231,9 @@ class Checkpointer:
                                 pack=pack_name(self.rank) if kind == "delta" else None)
             try:
                 for tp, part in owned:
-                    write_part(writer, kind, tp.key, part, local["tensors"][tp.key],
-                               local["changes"][tp.key], changed[(tp.key, part.path)], self._sizes)
+                    local["changes"][tp.key] = write_part(
+                        writer, kind, tp.key, part, local["tensors"][tp.key], local["changes"][tp.key],
+                        changed[(tp.key, part.path)], self._sizes)
             except BaseException:
                 writer.abandon()
                 raise

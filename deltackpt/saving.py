@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -104,16 +104,20 @@ def pack_name(rank: int) -> str:
 
 
 def write_part(writer: StepWriter, kind: str, key: str, part: PartPlan, t: torch.Tensor,
-               change: TensorChange, n: int, sizes: tuple[int, int]) -> None:
-    """The part's writer: queues the chunks of its part ``t``."""
+               change: TensorChange, n: int, sizes: tuple[int, int]) -> TensorChange:
+    """The part's writer: queues the chunks of its part ``t``. Returns ``change``, with the
+    hashes of what a delta wrote filled in where the change set left them to the writer."""
     enc = encoding(kind, tuple(t.shape))
     cs = chunk_shape(enc, part.box.shape, t.element_size(), n, *sizes)
+    hashes = torch.empty(n, dtype=torch.int64) if change.partial and change.hashes is None else None
     if enc == "full":
         writer.full(key, part.path, t, cs)
-    elif enc == "rows":
-        writer.rows(key, part.path, t, change.changed, part.box.offset[0], cs[0])
+        return change
+    if enc == "rows":
+        writer.rows(key, part.path, t, change.changed, part.box.offset[0], cs[0], hash_into=hashes)
     else:
-        writer.chunks(key, part.path, t, change.changed.tolist(), cs[0])
+        writer.chunks(key, part.path, t, change.changed.tolist(), cs[0], hash_into=hashes)
+    return change if hashes is None else replace(change, hashes=hashes)
 
 
 def build_manifest(*, step: int, kind: str, attempt: str, head: Manifest | None, world_size: int,

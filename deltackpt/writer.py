@@ -19,8 +19,9 @@ the rank that writes a part's chunks, so both agree on the chunk grid.
 from __future__ import annotations
 
 import math
+import queue
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future
 
 import numpy as np
@@ -28,7 +29,7 @@ import torch
 import xxhash
 from numcodecs import Blosc
 
-from . import dtypes
+from . import dtypes, kernels
 from .staging import StagingPool
 from .storage import Storage
 from .store import array_doc, group_doc
@@ -113,7 +114,7 @@ class StepWriter:
         self._pack = None
         if pack is not None:
 
-            def write(name: str, parts: Callable[[], list[memoryview]], release: Callable[[], None]) -> None:
+            def write(name: str, parts: Callable[[], Iterable[memoryview]], release: Callable[[], None]) -> None:
                 def record(size: int, digest: str) -> None:
                     self.packs.setdefault(pack, {})[name] = (size, digest)
 
@@ -170,9 +171,10 @@ class StepWriter:
                       (cr - (hi - lo)) * row_bytes, t.dtype, release=one_done)
 
     def rows(self, key: str, path: str, t: torch.Tensor, ids: torch.Tensor, row_offset: int,
-             chunk_rows: int) -> None:
+             chunk_rows: int, hash_into: torch.Tensor | None = None) -> None:
         """Writes rows ``ids`` (local, sorted, unique, int64 on CPU) of ``t`` as arrays ``ids``
-        (global ids: ``ids + row_offset``) and ``rows``."""
+        (global ids: ``ids + row_offset``) and ``rows``; puts each row's hash in ``hash_into``
+        if given."""
         n = ids.numel()
         flat = t.reshape(t.shape[0], -1)
         row_bytes = flat.shape[1] * t.element_size()
@@ -187,16 +189,22 @@ class StepWriter:
                 torch.index_select(flat, 0, part, out=out)
             else:
                 out.copy_(flat.index_select(0, part.to(t.device)))
+            if hash_into is not None:
+                hash_into[lo:hi] = kernels.hash_rows(out)
             self._put(key, path, f"rows/{chunk_key(i, t.dim())}", out, pad_rows * row_bytes, t.dtype,
                       release=lambda b=buf: self._pool.release(b))
 
-    def chunks(self, key: str, path: str, t: torch.Tensor, chunk_ids: list[int], chunk_elems: int) -> None:
-        """Writes chunks ``chunk_ids`` of ``t``'s flat elements (``chunk_elems`` each)."""
+    def chunks(self, key: str, path: str, t: torch.Tensor, chunk_ids: list[int], chunk_elems: int,
+               hash_into: torch.Tensor | None = None) -> None:
+        """Writes chunks ``chunk_ids`` of ``t``'s flat elements (``chunk_elems`` each); puts each
+        chunk's hash in ``hash_into`` if given."""
         numel = t.numel()
         flat = t.reshape(-1)
-        for c in chunk_ids:
+        for j, c in enumerate(chunk_ids):
             lo, hi = c * chunk_elems, min(numel, (c + 1) * chunk_elems)
             pad = (chunk_elems - (hi - lo)) * t.element_size()
+            if hash_into is not None:
+                hash_into[j] = kernels.hash_rows(flat[lo:hi].view(1, -1))[0]
             self._put(key, path, chunk_key(c, 1), flat[lo:hi], pad, t.dtype)
 
     def finish(self) -> dict[tuple[str, str], ChunkMap]:
@@ -271,19 +279,25 @@ class StepWriter:
 
         self._submit_path(f"{self._folder}/{part_folder(key, path)}/{name}", parts, record, release)
 
-    def _submit_path(self, full_path: str, parts: Callable[[], list[memoryview]],
+    def _submit_path(self, full_path: str, parts: Callable[[], Iterable[memoryview]],
                      record: Callable[[int, str], None] | None,
                      release: Callable[[], None] = lambda: None) -> None:
         def job() -> None:
             try:
-                data = parts()
                 h = xxhash.xxh3_64()
-                for p in data:
-                    h.update(p)
-                self._storage.write(full_path, data)
+                size = 0
+
+                def hashed() -> Iterator[memoryview]:
+                    nonlocal size
+                    for p in parts():
+                        h.update(p)
+                        size += p.nbytes
+                        yield p
+
+                self._storage.write(full_path, hashed())
                 with self._lock:
                     if record:
-                        record(sum(p.nbytes for p in data), h.hexdigest())
+                        record(size, h.hexdigest())
                     self.written.append(full_path)
             finally:
                 release()
@@ -294,23 +308,24 @@ class StepWriter:
 class _Pack:
     """Chunks stored back to back in one uint8 array (a delta's ``pack.<rank>``).
 
-    Bytes gather in a staging buffer of the pool's size; each full buffer is written as the next
-    chunk file. A pack that fits in one buffer is one chunk of exactly its size; a longer one has
-    chunks of the buffer size, the last padded with zeros as zarr v3 stores edge chunks.
+    Bytes gather in a staging buffer of the pool's size, which is the pack's chunk: a pack that
+    fits in one buffer is one chunk of exactly its size; a longer one has chunks of the buffer
+    size, the last padded with zeros as zarr v3 stores edge chunks. Each chunk file is written
+    while its buffer fills, ``STREAM_BYTES`` at a time, so the disk works while rows are gathered.
 
     Args:
         pool: staging buffers; the pack's chunk size is their size.
-        write: queues the write of one file of the pack: ``write(name, parts, release)``.
+        write: queues the write of one file of the pack: ``write(name, parts, release)``, where
+            ``parts()`` yields the file's bytes in order.
     """
 
     def __init__(self, pool: StagingPool,
-                 write: Callable[[str, Callable[[], list[memoryview]], Callable[[], None]], None]):
+                 write: Callable[[str, Callable[[], Iterable[memoryview]], Callable[[], None]], None]):
         self._pool = pool
         self._write = write
         self._chunk = pool.nbytes
-        self._buf: torch.Tensor | None = None
-        self._fill = 0
-        self._flushed = 0
+        self._file: _Stream | None = None  # the chunk file being filled
+        self._files = 0
         self.size = 0
 
     def append(self, data: list[memoryview]) -> tuple[int, str, int]:
@@ -321,38 +336,84 @@ class _Pack:
             h.update(part)
             src = np.frombuffer(part, np.uint8)
             while src.size:
-                if self._buf is None:
-                    self._buf = self._pool.acquire(self._chunk)
-                    self._fill = 0
-                n = min(src.size, self._chunk - self._fill)
-                self._buf.numpy()[self._fill : self._fill + n] = src[:n]
-                self._fill += n
+                if self._file is None:
+                    self._file = _Stream(self._pool.acquire(self._chunk), self._pool)
+                    self._write(chunk_key(self._files, 1), self._file.blocks, self._file.done)
+                    self._files += 1
+                n = self._file.put(src[: self._chunk - self._file.fill])
                 self.size += n
                 src = src[n:]
-                if self._fill == self._chunk:
-                    self._flush(self._chunk)
+                if self._file.fill == self._chunk:
+                    self._file.end(self._chunk)
+                    self._file = None
         return self.size - offset, h.hexdigest(), offset
 
     def close(self) -> None:
-        """Writes the last chunk and the array's metadata (nothing for an empty pack)."""
+        """Ends the last chunk file and writes the array's metadata (nothing for an empty pack)."""
         if self.size == 0:
             return
-        chunk = self._chunk if self._flushed else self._fill
-        if self._buf is not None:
-            self._flush(chunk)
+        chunk = self._chunk if self._files > 1 or self._file is None else self._file.fill
+        if self._file is not None:
+            self._file.end(chunk)
+            self._file = None
         doc = array_doc((self.size,), (chunk,), torch.uint8, raw=True)  # chunks coded on their own
         self._write("zarr.json", lambda: [memoryview(doc)], lambda: None)
 
     def discard(self) -> None:
-        """Gives back the buffer being filled, unwritten."""
-        if self._buf is not None:
-            self._pool.release(self._buf)
-            self._buf = None
+        """Ends the chunk file being filled where it is (the save failed)."""
+        if self._file is not None:
+            self._file.end(self._file.fill)
+            self._file = None
 
-    def _flush(self, chunk: int) -> None:
-        buf, fill = self._buf, self._fill
-        self._buf = None
-        buf[fill:chunk].zero_()  # padding in place: one aligned part, written past the page cache
-        body = memoryview(buf.numpy())[:chunk]
-        self._write(chunk_key(self._flushed, 1), lambda: [body], lambda: self._pool.release(buf))
-        self._flushed += 1
+
+STREAM_BYTES = 1 << 20  # a pack file is handed to the disk in pieces of this size as it fills
+
+
+class _Stream:
+    """One chunk file of a pack: a staging buffer filled by the saving thread and written by an
+    I/O thread as it fills; the buffer goes back to the pool once both are done with it."""
+
+    def __init__(self, buf: torch.Tensor, pool: StagingPool):
+        self._buf = buf
+        self._pool = pool
+        self._ready: queue.SimpleQueue[int | None] = queue.SimpleQueue()  # bytes ready, None: end
+        self._users = 2
+        self._lock = threading.Lock()
+        self.fill = 0
+        self._sent = 0
+
+    def put(self, src: np.ndarray) -> int:
+        """Copies ``src`` (which fits) after the bytes so far; hands whole pieces to the writer."""
+        n = src.size
+        self._buf.numpy()[self.fill : self.fill + n] = src
+        self.fill += n
+        if self.fill - self._sent >= STREAM_BYTES:
+            self._send(self.fill // STREAM_BYTES * STREAM_BYTES)
+        return n
+
+    def end(self, size: int) -> None:
+        """The file is ``size`` bytes: the bytes so far, then zeros."""
+        self._buf[self.fill : size].zero_()
+        self._send(size)
+        self._ready.put(None)
+        self.done()
+
+    def blocks(self) -> Iterator[memoryview]:
+        """The file's bytes, as they become ready (runs on the I/O thread)."""
+        whole = memoryview(self._buf.numpy())
+        at = 0
+        while (upto := self._ready.get()) is not None:
+            yield whole[at:upto]
+            at = upto
+
+    def done(self) -> None:
+        with self._lock:
+            self._users -= 1
+            last = self._users == 0
+        if last:
+            self._pool.release(self._buf)
+
+    def _send(self, upto: int) -> None:
+        if upto > self._sent:
+            self._ready.put(upto)
+            self._sent = upto
