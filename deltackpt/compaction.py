@@ -83,7 +83,7 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
         for key, rec in chain[-1].tensors.items():
             dt = dtypes.from_name(rec.dtype)
             cs = _chunks(rec, sizes)
-            writer.array(key, "", "", rec.shape, cs, dt)
+            writer.array(key, "", rec.shape, cs, dt)
             rows = rec.shape[0] if rec.shape else 1
             if math.prod(rec.shape):
                 cr = cs[0] if cs else 1

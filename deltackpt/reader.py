@@ -280,8 +280,6 @@ class ChainReader:
         raw = codec_for(dest.dtype) is None
         jobs: list[Job] = []
         for name in part.chunks:
-            if name == "zarr.json":
-                continue
             k = int(name[2:]) if name[:2] == "c." and name[2:].isdigit() else -1
             lo, hi = k * ce, min(pn, (k + 1) * ce)
             if k < 0 or lo >= pn:

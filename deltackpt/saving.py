@@ -92,7 +92,7 @@ def describe(writer: StepWriter, plan: GlobalPlan, kind: str, changed: dict[tupl
         for t in plan.tensors.values():
             for p in t.parts:
                 cs = chunk_shape("full", p.box.shape, itemsize(t.dtype), changed[(t.key, p.path)], *sizes)
-                writer.array(t.key, p.path, "", p.box.shape, cs, dtypes.from_name(t.dtype))
+                writer.array(t.key, p.path, p.box.shape, cs, dtypes.from_name(t.dtype))
                 names = part_folder(t.key, p.path).split("/")
                 folders.update("/".join(names[:i]) for i in range(1, len(names)))
     writer.groups(sorted(folders))

@@ -125,15 +125,10 @@ class StepWriter:
 
     # -- metadata (coordinator) ------------------------------------------------------------------
 
-    def array(self, key: str, path: str, name: str, shape: tuple[int, ...],
-              chunks: tuple[int, ...], dtype: torch.dtype) -> None:
-        """Writes the zarr.json of the array ``name`` ("" for the part itself) of a part."""
+    def array(self, key: str, path: str, shape: tuple[int, ...], chunks: tuple[int, ...],
+              dtype: torch.dtype) -> None:
+        """Writes the zarr.json of a part that is one array (a part of a base)."""
         doc = array_doc(shape, chunks, dtype)
-        self._submit(key, path, f"{name}/zarr.json" if name else "zarr.json", lambda: [memoryview(doc)])
-
-    def group(self, key: str, path: str) -> None:
-        """Writes the zarr.json of a part that is a group (``ids`` and ``rows`` inside)."""
-        doc = group_doc()
         self._submit(key, path, "zarr.json", lambda: [memoryview(doc)])
 
     def groups(self, folders: Iterable[str]) -> None:
