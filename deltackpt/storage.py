@@ -114,10 +114,10 @@ class LocalStorage:
                 at = 0
                 for part in parts:
                     data = part.cast("B")
-                    if self._direct and at % BLOCK == 0 and len(data) >= DIRECT_MIN and _address(data) % BLOCK == 0:
-                        n = len(data) // BLOCK * BLOCK
-                        if self._write_direct(fd, data[:n]):
-                            at, data = at + n, data[n:]
+                    if (self._direct and at % BLOCK == 0 and len(data) >= DIRECT_MIN
+                            and _address(data) % BLOCK == 0):
+                        n = self._write_direct(fd, data[: len(data) // BLOCK * BLOCK])
+                        at, data = at + n, data[n:]
                     _write_all(fd, data)
                     at += len(data)
                 if self._syncfs is None:
@@ -128,22 +128,25 @@ class LocalStorage:
         except OSError as e:
             raise _store_error(e, path) from e
 
-    def _write_direct(self, fd: int, data: memoryview) -> bool:
-        """Writes aligned whole blocks past the page cache; False if the file system refuses."""
+    def _write_direct(self, fd: int, data: memoryview) -> int:
+        """Writes aligned whole blocks past the page cache; returns the bytes written, 0 when the
+        file system refuses (then direct writes stay off)."""
         flags = fcntl.fcntl(fd, fcntl.F_GETFL)
         try:
             fcntl.fcntl(fd, fcntl.F_SETFL, flags | self._direct)
+            done = os.write(fd, data)  # a refusal shows here or in the line above
         except OSError as e:
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
             if e.errno != errno.EINVAL:
                 raise
             log.debug("%s: no O_DIRECT on this file system (%s); writing through the page cache", self.root, e)
             self._direct = 0
-            return False
+            return 0
         try:
-            _write_all(fd, data)
+            _write_all(fd, data[done:])
         finally:
             fcntl.fcntl(fd, fcntl.F_SETFL, flags)
-        return True
+        return len(data)
 
     def sync(self, keys: Iterable[str]) -> None:
         keys = list(keys)

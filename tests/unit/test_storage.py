@@ -46,19 +46,32 @@ def test_direct_and_buffered_writes_store_the_same_bytes(tmp_path, monkeypatch):
     assert len(direct_calls) == 1
 
 
-def test_a_file_system_refusing_o_direct_gets_buffered_writes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["fcntl", "write"])
+def test_a_file_system_refusing_o_direct_gets_buffered_writes(tmp_path, monkeypatch, where):
     pool = StagingPool(2, 2 * DIRECT_MIN)
     parts, expected = parts_of(pool, np.random.default_rng(1))
-    real = fcntl.fcntl
+    real_fcntl, real_write = fcntl.fcntl, os.write
     refused = []
 
-    def refuse(fd, cmd, arg=0):
+    def direct(fd: int) -> bool:
+        return bool(real_fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0))
+
+    def refuse_fcntl(fd, cmd, arg=0):
         if cmd == fcntl.F_SETFL and arg & getattr(os, "O_DIRECT", 0):
             refused.append(arg)
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real(fd, cmd, arg)
+        return real_fcntl(fd, cmd, arg)
 
-    monkeypatch.setattr(fcntl, "fcntl", refuse)
+    def refuse_write(fd, data):
+        if direct(fd):
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    if where == "fcntl":
+        monkeypatch.setattr(fcntl, "fcntl", refuse_fcntl)
+    else:
+        monkeypatch.setattr(os, "write", refuse_write)
     storage = LocalStorage(tmp_path)
     storage.write("x", parts)
     storage.write("y", parts)
