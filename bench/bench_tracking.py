@@ -12,7 +12,9 @@ One run, on the CPU, measures:
               marked delta does) beside memcpy (``np.copyto`` into a pre-faulted array) and the
               xxhash library's XXH3 and XXH64 on one buffer of ``--hash-mib``, 1 thread and all.
   finding     the change sets of such a delta alone (:class:`deltackpt.changes.ChangeTracker`
-              scans, no writes): from marks against from full hashing.
+              scans, no writes): from marks against from full hashing. With marks, the new
+              hashes of the marked rows are taken later, by the writer from the rows it gathers,
+              so they are not in this figure; the "gather + hash" row shows what they cost.
   saving      a delta after one training step that touches ``--delta`` of every table's rows
               (the same rows change in the Adagrad state): saved by a checkpointer that tracks the
               model (marks) and by one that does not (full hashing) into their own stores, beside
