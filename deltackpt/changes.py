@@ -133,7 +133,8 @@ class ChangeTracker:
             ch = changes[key]
             if ch.partial:
                 ref = self._refs[key]
-                ref.hashes[ch.changed] = ch.hashes if ch.hashes is not None else self._hash_units(t, ch.changed)
+                hashes = ch.hashes if ch.hashes is not None else self._hash_units(t, ch.changed)
+                ref.hashes[ch.changed] = hashes
                 refs[key] = ref
             else:
                 refs[key] = _Reference(t.dtype, tuple(t.shape), ch.hashes)

@@ -139,7 +139,8 @@ class LocalStorage:
             fcntl.fcntl(fd, fcntl.F_SETFL, flags)
             if e.errno != errno.EINVAL:
                 raise
-            log.debug("%s: no O_DIRECT on this file system (%s); writing through the page cache", self.root, e)
+            log.debug("%s: no O_DIRECT on this file system (%s); writing through the page cache",
+                      self.root, e)
             self._direct = 0
             return 0
         try:

@@ -114,7 +114,8 @@ class StepWriter:
         self._pack = None
         if pack is not None:
 
-            def write(name: str, parts: Callable[[], Iterable[memoryview]], release: Callable[[], None]) -> None:
+            def write(name: str, parts: Callable[[], Iterable[memoryview]],
+                      release: Callable[[], None]) -> None:
                 def record(size: int, digest: str) -> None:
                     self.packs.setdefault(pack, {})[name] = (size, digest)
 

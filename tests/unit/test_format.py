@@ -51,7 +51,8 @@ def test_base_arrays_and_delta_packs_read_with_zarr(store_path, dtype):
     per_chunk = 64 // vec.element_size()
     assert set(m1.tensors["v"].parts[0].chunks) == {f"c.{500 // per_chunk}"}
     lo = 500 // per_chunk * per_chunk
-    np.testing.assert_array_equal(chunk("v", f"c.{500 // per_chunk}", np_dtype), vec[lo : lo + per_chunk].numpy())
+    np.testing.assert_array_equal(chunk("v", f"c.{500 // per_chunk}", np_dtype),
+                                  vec[lo : lo + per_chunk].numpy())
 
 
 def test_bfloat16_is_stored_as_its_bits(store_path):
