@@ -475,6 +475,22 @@ def checkpointer(args: argparse.Namespace, path: str, **kw: Any) -> Any:
                                   timeout=datetime.timedelta(minutes=5), **kw)
 
 
+def restore_delta_step(R: Rank, args: argparse.Namespace, store: str, ck_dcp: str, target: LocalState,
+                       want: LocalState, world: int) -> None:
+    """Times deltackpt's restore of step 1 into ``target`` (emptied first) and checks it bit for bit."""
+    target.fill_nan()
+    R.settle(store, ck_dcp)
+    ck = checkpointer(args, store, create=False)
+    try:
+        step = R.timed("deltackpt restore (delta step)", lambda: ck.restore(target.deltackpt_state(), 1),
+                       free=2.1)
+    finally:
+        ck.close()
+    if step != 1:
+        raise AssertionError(f"restore returned step {step}, expected 1")
+    check_equal(f"deltackpt restore of the delta step, {world} ranks", target, want)
+
+
 def warm_up(args: argparse.Namespace, rank: int, world: int, mesh: Any, scratch: str) -> None:
     """Both libraries once on a tiny state (imports, numba kernels, DCP planners)."""
     import torch.distributed as dist
@@ -577,17 +593,7 @@ def two_rank_job(rank: int, world: int, port: int, args: argparse.Namespace, scr
                 if "DCP load" not in R.errors:
                     check_equal("DCP load, 2 ranks", target, state)
 
-        target.fill_nan()
-        R.settle(store, ck_dcp)
-        ck = checkpointer(args, store, create=False)
-        try:
-            step = R.timed("deltackpt restore (delta step)", lambda: ck.restore(target.deltackpt_state(), 1),
-                           free=2.1)
-        finally:
-            ck.close()
-        if step != 1:
-            raise AssertionError(f"restore returned step {step}, expected 1")
-        check_equal("deltackpt restore of the delta step, 2 ranks", target, state)
+        restore_delta_step(R, args, store, ck_dcp, target, state, 2)
         state.undo_delta()
         R.settle(store, ck_dcp)
         if rank == 0:
@@ -634,17 +640,7 @@ def restore_job(rank: int, world: int, port: int, args: argparse.Namespace, scra
                     catch=True)
             if "DCP load" not in R.errors:
                 check_equal(f"DCP load, {world} ranks", target, want)
-        target.fill_nan()
-        R.settle(store, ck_dcp)
-        ck = checkpointer(args, store, create=False)
-        try:
-            step = R.timed("deltackpt restore (delta step)", lambda: ck.restore(target.deltackpt_state(), 1),
-                           free=2.1)
-        finally:
-            ck.close()
-        if step != 1:
-            raise AssertionError(f"restore returned step {step}, expected 1")
-        check_equal(f"deltackpt restore of the delta step, {world} ranks", target, want)
+        restore_delta_step(R, args, store, ck_dcp, target, want, world)
         if rank == 0:
             print(R.round_line(r), flush=True)
 
