@@ -37,7 +37,7 @@ from .errors import (
 from .hooks import CheckpointHook
 from .policy import BasePolicy, Decision, EveryK
 from .sharding import Shard
-from .storage import LocalStorage, Storage
+from .storage import LocalStorage, MemoryStorage, Storage, open_storage
 from .tracking import Canary, TrackHandle
 
 __all__ = [
@@ -55,6 +55,7 @@ __all__ = [
     "IntegrityError",
     "KeyMismatchError",
     "LocalStorage",
+    "MemoryStorage",
     "ManifestError",
     "MissingChunkError",
     "SaveInfo",
@@ -67,4 +68,5 @@ __all__ = [
     "StorageFullError",
     "StoreError",
     "TrackHandle",
+    "open_storage",
 ]

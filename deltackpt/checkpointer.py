@@ -27,12 +27,13 @@ from typing import Any
 
 import torch
 
-from . import dtypes, lease, statetree
+from . import dtypes, statetree
+from .ops import lease
 from .changes import ChangeTracker
 from .collectives import Collective
-from .compaction import CompactInfo, compact
-from .errors import KeyMismatchError, StateError, StepExistsError, StepNotFoundError
-from .gc import GCReport, Retention, collect
+from .ops.compaction import CompactInfo, compact
+from .errors import KeyMismatchError, StateError, StepExistsError, StepNotFoundError, StoreError
+from .ops.gc import GCReport, Retention, collect
 from .manifest import Manifest
 from .planner import GlobalPlan, ItemInfo, LocalPlan, make_global_plan
 from .policy import BasePolicy, ChainState, EveryK
@@ -41,10 +42,10 @@ from .restoring import fill, plan_restore
 from .saving import PartScan, build_manifest, decide, describe, pack_name, summarize, write_part
 from .sharding import Box, Shard, row_block
 from .staging import StagingPool
-from .storage import Storage, persist_point
-from .store import STEPS, Store, open_storage
+from .storage import Storage, open_storage
+from .store import STEPS, Store
 from .tracking import Canary, TrackHandle
-from .verify import VerifyReport, verify
+from .ops.verify import VerifyReport, verify
 from .writer import ChunkMap, StepWriter
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,8 @@ class Checkpointer:
     """Saves training state as bases and deltas into a zarr v3 store, and restores any step.
 
     Args:
-        path: a local directory (created if absent) or a :class:`~deltackpt.storage.Storage`.
+        path: a local directory (created if absent), a URL :func:`~deltackpt.storage.open_storage`
+            opens, or a :class:`~deltackpt.storage.Storage`.
         base_every: a base every this many saves (ignored when ``policy`` is given).
         policy: the base-cadence policy; default ``EveryK(base_every)``.
         process_group: the ranks that checkpoint together; default: all ranks when
@@ -93,6 +95,8 @@ class Checkpointer:
         create: create the store if absent; if False, a missing store raises StoreError.
         take_over: take the writer lease even if another job holds it (after that job died);
             by default a second writer fails with WriterConflictError at its first save.
+        storage_options: settings for the backend ``path`` names (see
+            :func:`~deltackpt.storage.open_storage`).
 
     Example:
         >>> import tempfile, torch
@@ -119,6 +123,7 @@ class Checkpointer:
         io_threads: int = 4,
         create: bool = True,
         take_over: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
     ):
         for name, value in (("chunk_bytes", chunk_bytes), ("dense_chunk_bytes", dense_chunk_bytes),
                             ("io_threads", io_threads)):
@@ -130,7 +135,10 @@ class Checkpointer:
             )
         self.policy: BasePolicy = policy if policy is not None else EveryK(base_every)
         self._coll = Collective(process_group, timeout=timeout, coordinator_rank=coordinator_rank)
-        self.store = Store(open_storage(path))
+        self.store = Store(open_storage(path, storage_options))
+        if self._coll.size > 1 and not self.store.storage.capabilities.shared:
+            raise StoreError(None, f"{self.store.storage.url} is visible to this process only; "
+                                   f"{self._coll.size} ranks need a shared storage")
         if create:
             self._coll.one("open", self.store.create)
         self.store.check_exists()
@@ -195,7 +203,7 @@ class Checkpointer:
         local: dict[str, Any] = {}
 
         def plan_local() -> tuple[int, str, LocalPlan | None]:
-            persist_point(self.store.storage, "plan_local")
+            self.store.storage.point("plan_local", "")
             if not isinstance(step, int) or isinstance(step, bool) or step < 0:
                 raise StepExistsError(f"step must be a non-negative int, got {step!r}")
             flat = statetree.flatten(state)
@@ -269,7 +277,7 @@ class Checkpointer:
             for rank, (_, _, plan) in enumerate(sent):
                 if plan is not None:
                     self._local_plans[rank] = plan
-            persist_point(self.store.storage, "plan_global")
+            self.store.storage.point("plan_global", "")
             steps = {s for s, _, _ in sent}
             if len(steps) != 1:
                 raise StepExistsError(f"ranks save different steps: {sorted(steps)}")
@@ -433,7 +441,7 @@ class Checkpointer:
     def compact(self, upto: int | None = None) -> CompactInfo:
         """Commits a base for step ``upto`` (default: the latest) made from its chain, so its
         restore and those of later steps replay from there. Every rank calls it; see
-        :mod:`deltackpt.compaction`. Needs no writer lease: it may run beside training.
+        :mod:`deltackpt.ops.compaction`. Needs no writer lease: it may run beside training.
 
         Example:
             >>> import tempfile, torch
@@ -448,7 +456,7 @@ class Checkpointer:
     def gc(self, retention: Retention | None = None, *, grace_seconds: float = 3600.0,
            dry_run: bool = False) -> GCReport:
         """Drops steps ``retention`` does not keep (default: keeps all) and deletes what no
-        remaining step refers to, once older than ``grace_seconds``; see :mod:`deltackpt.gc`.
+        remaining step refers to, once older than ``grace_seconds``; see :mod:`deltackpt.ops.gc`.
         Runs on the coordinator; other ranks get its report."""
         return self._coll.one("gc", lambda: collect(self.store, retention or Retention(),
                                                     grace_seconds=grace_seconds, dry_run=dry_run))

@@ -18,9 +18,10 @@ import torch
 
 from .checkpointer import Checkpointer
 from .errors import DeltackptError, ManifestError
-from .gc import GCReport, Retention
+from .ops.gc import GCReport, Retention
 from .sharding import Shard
-from .store import Store, open_storage
+from .storage import open_storage
+from .store import Store
 
 
 def fmt_bytes(n: float) -> str:

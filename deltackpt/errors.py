@@ -138,7 +138,7 @@ class CheckpointAborted(DeltackptError):
 
 
 class WriterConflictError(DeltackptError):
-    """Another writer holds the store's lease (see :mod:`deltackpt.lease`)."""
+    """Another writer holds the store's lease (see :mod:`deltackpt.ops.lease`)."""
 
 
 class HookClosedError(DeltackptError, RuntimeError):

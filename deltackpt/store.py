@@ -6,7 +6,7 @@ ROOT/commits/00000000000000000042.json   commit record of step 42 (its presence 
 ROOT/bases/00000000000000000042.json     a base of step 42 made by compaction (optional)
 ROOT/steps/zarr.json                  zarr v3 group
 ROOT/steps/ATTEMPT/...                arrays of one save attempt, ATTEMPT = "<step>-<random hex>"
-ROOT/writer.lease                     who may commit steps (see deltackpt.lease)
+ROOT/writer.lease                     who may commit steps (see deltackpt.ops.lease)
 ```
 A save writes its arrays into a fresh attempt folder, so a crashed save never touches a folder that
 a committed step refers to, and commits by creating its record only if absent. Readers list
@@ -16,7 +16,6 @@ a committed step refers to, and commits by creating its record only if absent. R
 from __future__ import annotations
 
 import json
-import os
 import re
 import uuid
 from typing import Any
@@ -26,7 +25,7 @@ import torch
 from . import dtypes
 from .errors import BrokenChainError, ManifestError, StepNotFoundError, StoreError
 from .manifest import FORMAT, Manifest
-from .storage import LocalStorage, Storage
+from .storage import Storage
 
 COMMITS = "commits"
 BASES = "bases"
@@ -91,16 +90,6 @@ def array_doc(shape: tuple[int, ...], chunk_shape: tuple[int, ...], dtype: torch
         "attributes": {"torch_dtype": dtypes.name(dtype)},
     }
     return json.dumps(doc).encode()
-
-
-def open_storage(path_or_storage: str | os.PathLike[str] | Storage) -> Storage:
-    """A :class:`Storage` for a local path (or a storage object, returned as it is)."""
-    if isinstance(path_or_storage, (str, os.PathLike)):
-        path = os.fspath(path_or_storage)
-        if "://" in path and not path.startswith("file://"):
-            raise StoreError(None, f"only local paths are supported so far, got {path!r}")
-        return LocalStorage(path.removeprefix("file://"))
-    return path_or_storage
 
 
 class Store:

@@ -9,21 +9,22 @@ import os
 
 import torch
 
-from deltackpt import Checkpointer, LocalStorage
+from deltackpt import Checkpointer, LocalStorage, Storage
+from deltackpt.storage import FaultInjection
 
 ROWS = 64
 
 
-class CrashingStorage(LocalStorage):
-    """Exits the process, as a kill would, at the ``crash_at``-th persist point (never if 0),
-    and records the phase of every persist point it passes."""
+class CrashingStorage(FaultInjection):
+    """A local store that exits the process, as a kill would, at the ``crash_at``-th persist
+    point (never if 0), and records the phase of every persist point it passes."""
 
     def __init__(self, root, crash_at: int = 0):
-        super().__init__(root)
+        super().__init__(LocalStorage(root), self.at_point)
         self.crash_at = crash_at
         self.phases: list[str] = []
 
-    def persist_point(self, phase: str, key: str) -> None:
+    def at_point(self, phase: str, key: str) -> None:
         self.phases.append(phase)
         if len(self.phases) == self.crash_at:
             os._exit(137)
@@ -40,7 +41,7 @@ def state_at(step: int) -> dict:
     return {"table": table, "dense": dense, "step": step}
 
 
-def save(storage: LocalStorage, step: int) -> None:
+def save(storage: Storage, step: int) -> None:
     """Restores the latest step (so the save can be a delta), then saves ``step``."""
     ckpt = Checkpointer(storage, chunk_bytes=1024, memory_budget=4096, take_over=True)
     latest = ckpt.latest_step()
@@ -54,17 +55,18 @@ def save_with_crash(path: str, crash_at: int, step: int) -> None:
     save(CrashingStorage(path, crash_at), step)
 
 
-class FaultStorage(LocalStorage):
-    """Injects a fault at the ``nth`` persist point of ``phase`` on rank ``rank``: ``raise``
-    (OSError EIO), ``sigkill`` (the process dies) or ``sleep`` (the rank hangs ``seconds``)."""
+class FaultStorage(FaultInjection):
+    """A local store that injects a fault at the ``nth`` persist point of ``phase`` on rank
+    ``rank``: ``raise`` (OSError EIO), ``sigkill`` (the process dies) or ``sleep`` (the rank hangs
+    ``seconds``)."""
 
     def __init__(self, root, *, phase: str, rank: int, action: str, nth: int = 1,
                  seconds: float = 60.0):
-        super().__init__(root)
+        super().__init__(LocalStorage(root), self.at_point)
         self.fault = (phase, rank, action, nth, seconds)
         self.count = 0
 
-    def persist_point(self, phase: str, key: str) -> None:
+    def at_point(self, phase: str, key: str) -> None:
         import errno
         import signal
         import time

@@ -11,7 +11,8 @@ import pytest
 
 import faults
 from deltackpt import Checkpointer, LocalStorage
-from deltackpt.gc import Retention
+from deltackpt.ops.gc import Retention
+from deltackpt.storage import FaultInjection
 from dist_harness import by_file, call, check_ok, run_ranks
 from helpers import assert_same_state
 
@@ -53,14 +54,14 @@ def test_compaction_shortens_the_chain_and_is_idempotent(tmp_path):
     check_all(path, range(1, 11))
 
 
-class HookStorage(LocalStorage):
-    """Runs ``hook`` once, at the first persist point of ``phase``."""
+class HookStorage(FaultInjection):
+    """A local store that runs ``hook`` once, at the first persist point of ``phase``."""
 
     def __init__(self, root, phase, hook):
-        super().__init__(root)
+        super().__init__(LocalStorage(root), self.at_point)
         self.phase, self.hook = phase, hook
 
-    def persist_point(self, phase, key):
+    def at_point(self, phase, key):
         if phase == self.phase and self.hook is not None:
             hook, self.hook = self.hook, None
             hook()

@@ -28,5 +28,5 @@ def test_docstring_examples(name):
 
 def test_examples_exist():
     attempted = sum(doctest.testmod(importlib.import_module(n), report=False).attempted
-                    for n in ("deltackpt", "deltackpt.checkpointer", "deltackpt.gc"))
+                    for n in ("deltackpt", "deltackpt.checkpointer", "deltackpt.ops.gc"))
     assert attempted >= 5

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deltackpt import Checkpointer
-from deltackpt.gc import Retention
+from deltackpt.ops.gc import Retention
 from helpers import assert_same_state
 
 events = st.lists(

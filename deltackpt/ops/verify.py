@@ -9,11 +9,11 @@ from functools import partial
 
 import torch
 
-from .errors import BrokenChainError, DeltackptError, IntegrityError, MissingChunkError
-from .manifest import Manifest
-from .reader import fetch, fetch_file, file_size, stored_size
-from .staging import StagingPool
-from .store import STEPS, Store
+from ..errors import BrokenChainError, DeltackptError, IntegrityError, MissingChunkError
+from ..manifest import Manifest
+from ..reader import fetch, fetch_file, file_size, stored_size
+from ..staging import StagingPool
+from ..store import STEPS, Store
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .errors import DeltackptError
-from .manifest import Manifest
-from .store import BASES, COMMITS, STEPS, Store, base_key, commit_key
+from ..errors import DeltackptError
+from ..manifest import Manifest
+from ..store import BASES, COMMITS, STEPS, Store, base_key, commit_key
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def collect(store: Store, retention: Retention, *, grace_seconds: float = 3600.0
             store.storage.delete(commit_key(s))
         for s in report.dropped_bases:
             store.storage.delete(base_key(s))
-        store.storage.sync([commit_key(0), base_key(0)])
+        store.storage.sync_folders([COMMITS, BASES])
         store.forget()
     referenced = {_attempt(store, s, base=False) for s in needed_steps}
     referenced |= {_attempt(store, s, base=True) for s in needed_bases}
@@ -121,7 +121,7 @@ def collect(store: Store, retention: Retention, *, grace_seconds: float = 3600.0
         if not dry_run:
             store.storage.delete_tree(path)
     if not dry_run and report.deleted:
-        store.storage.sync([f"{STEPS}/x", f"{COMMITS}/x", f"{BASES}/x"])
+        store.storage.sync_folders([STEPS, COMMITS, BASES])
     return report
 
 

@@ -1,15 +1,9 @@
-"""Where the bytes go: the storage interface and the local file system implementation.
+"""A store in a local directory.
 
-Keys are ``/``-separated paths relative to the store's root. The commit primitive is
-:meth:`Storage.put_if_absent`: create a small object only if no object has that key, durably. On a
-file system it is a temp file, ``fsync``, ``link()`` (which fails if the name exists, unlike
-``rename``) and an ``fsync`` of the directory; object stores implement it as a conditional put.
-
-Data files are made durable in bulk: :meth:`Storage.write` creates a file and
-:meth:`Storage.sync` makes every file written so far durable, with their folders. On Linux that is
-one ``syncfs`` of the store's file system, measured here 24-47x faster than an ``fsync`` per file
-and per folder for a delta of a hundred small tensors; elsewhere each file is ``fsync``-ed as it
-is written and each folder at ``sync``. Either way nothing is committed before ``sync`` returns.
+Data files are made durable in bulk: on Linux :meth:`LocalStorage.sync` is one ``syncfs`` of the
+store's file system, measured here 24-47x faster than an ``fsync`` per file and per folder for a
+delta of a hundred small tensors; elsewhere each file is ``fsync``-ed as it is written and each
+folder at ``sync``.
 
 Large aligned writes bypass the page cache (``O_DIRECT``): the whole 4 KiB blocks of a part whose
 memory starts on a block boundary, written at a block-aligned offset, go straight to the disk; the
@@ -18,10 +12,6 @@ per page in memory the host has reclaimed, so buffered writes of fresh files run
 and direct ones at 1.4-4.3 GB/s (``shared/baselines.md``, and 5.2 MB: 3.7 ms direct vs 16 ms
 buffered measured beside each other). The staging pool hands out aligned buffers for this. A file
 system that refuses ``O_DIRECT`` gets buffered writes.
-
-Every durable operation first calls :meth:`LocalStorage.persist_point` with its phase name, so
-tests can stop a process at each one (``write_chunk``, ``fsync``, ``write_manifest_tmp``,
-``rename_manifest``, ``fsync_dir``, ``gc_delete``).
 """
 
 from __future__ import annotations
@@ -34,11 +24,11 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterable
-from typing import Protocol
-
+from typing import Any
 import numpy as np
 
-from .errors import StorageFullError, StoreError
+from ..errors import StorageFullError, StoreError
+from .base import Capabilities, PointHook
 
 log = logging.getLogger(__name__)
 
@@ -46,67 +36,39 @@ BLOCK = 4096  # the alignment O_DIRECT needs, of memory, file offset and length
 DIRECT_MIN = 1 << 20  # smaller writes go through the page cache: the syncfs that follows is cheap
 
 
-class Storage(Protocol):
-    """What a store needs from its backend. Every method may be called from several threads."""
-
-    url: str
-
-    def write(self, key: str, parts: Iterable[memoryview]) -> None:
-        """Creates object ``key`` from ``parts``; ``key`` must not exist. Durable after
-        :meth:`sync`."""
-
-    def sync(self, keys: Iterable[str]) -> None:
-        """Makes the objects ``keys`` (written before) durable, names included."""
-
-    def read_into(self, key: str, out: memoryview, offset: int = 0) -> int:
-        """Reads object ``key`` from byte ``offset`` on into ``out``; returns the object's size,
-        which may not cover ``offset + len(out)`` (then ``out`` holds only the bytes there are)."""
-
-    def read(self, key: str) -> bytes:
-        """The whole object ``key``."""
-
-    def size(self, key: str) -> int | None:
-        """Size of object ``key``, or None if absent."""
-
-    def list(self, prefix: str) -> list[str]:
-        """Names directly under ``prefix`` (objects and folders), sorted."""
-
-    def put_if_absent(self, key: str, data: bytes) -> bool:
-        """Durably creates ``key`` with ``data`` unless it exists; returns whether it did."""
-
-    def delete(self, key: str) -> None:
-        """Removes object ``key`` if present."""
-
-    def usage(self, prefix: str) -> tuple[int, float]:
-        """Bytes of everything under ``prefix`` (an object or a folder) and the newest
-        modification time among them (0.0 if nothing is there)."""
-
-    def delete_tree(self, prefix: str) -> None:
-        """Removes everything under ``prefix``."""
-
-
 class LocalStorage:
     """A store in a local directory.
 
     Args:
         root: the directory; created if absent.
+        on_point: called before each durable step (see :mod:`deltackpt.storage.base`).
+
+    Example:
+        >>> import tempfile
+        >>> storage = LocalStorage(tempfile.mkdtemp())
+        >>> storage.put_if_absent("commits/a.json", b"{}"), storage.put_if_absent("commits/a.json", b"")
+        (True, False)
     """
 
-    def __init__(self, root: str | os.PathLike[str]):
+    capabilities = Capabilities(shared=True, persistent=True)
+
+    def __init__(self, root: str | os.PathLike[str], *, on_point: PointHook | None = None):
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
+        self.on_point = on_point
         self._syncfs = _libc_syncfs()
         self._direct = getattr(os, "O_DIRECT", 0)  # 0 once the file system refuses it
 
-    def persist_point(self, phase: str, key: str) -> None:
-        """Called before each durable step; a no-op that fault-injecting tests override."""
+    def point(self, phase: str, key: str) -> None:
+        if self.on_point is not None:
+            self.on_point(phase, key)
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
 
     def write(self, key: str, parts: Iterable[memoryview]) -> None:
         path = self._path(key)
-        self.persist_point("write_chunk", key)
+        self.point("write_chunk", key)
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -121,7 +83,7 @@ class LocalStorage:
                     _write_all(fd, data)
                     at += len(data)
                 if self._syncfs is None:
-                    self.persist_point("fsync", key)
+                    self.point("fsync", key)
                     os.fsync(fd)
             finally:
                 os.close(fd)
@@ -153,14 +115,7 @@ class LocalStorage:
         keys = list(keys)
         if self._syncfs is not None:
             if keys:
-                self.persist_point("fsync", self.root)
-                fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
-                try:
-                    if self._syncfs(fd) != 0:
-                        err = ctypes.get_errno()
-                        raise _store_error(OSError(err, os.strerror(err)), self.root)
-                finally:
-                    os.close(fd)
+                self._sync_fs(self._syncfs)
             return
         dirs = {os.path.dirname(self._path(k)) for k in keys}
         # Parents first, up to the root: a new folder's own name must be durable too.
@@ -171,8 +126,30 @@ class LocalStorage:
                 d = os.path.dirname(d)
         for d in sorted(todo, key=len, reverse=True):
             if os.path.isdir(d):  # a folder that holds nothing yet has nothing to make durable
-                self.persist_point("fsync_dir", d)
+                self.point("fsync_dir", d)
                 _fsync_dir(d)
+
+    def sync_folders(self, folders: Iterable[str]) -> None:
+        paths = [self._path(f) for f in folders]
+        if self._syncfs is not None:
+            if paths:
+                self._sync_fs(self._syncfs)
+            return
+        for d in paths:
+            if os.path.isdir(d):
+                self.point("fsync_dir", d)
+                _fsync_dir(d)
+
+    def _sync_fs(self, syncfs: Any) -> None:
+        """One ``syncfs`` of the file system holding the store."""
+        self.point("fsync", self.root)
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            if syncfs(fd) != 0:
+                err = ctypes.get_errno()
+                raise _store_error(OSError(err, os.strerror(err)), self.root)
+        finally:
+            os.close(fd)
 
     def read_into(self, key: str, out: memoryview, offset: int = 0) -> int:
         path = self._path(key)
@@ -220,27 +197,27 @@ class LocalStorage:
         tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
         try:
             os.makedirs(folder, exist_ok=True)
-            self.persist_point("write_manifest_tmp", key)
+            self.point("write_manifest_tmp", key)
             with open(tmp, "xb") as f:
                 f.write(data)
                 f.flush()
-                self.persist_point("fsync", key)
+                self.point("fsync", key)
                 os.fsync(f.fileno())
-            self.persist_point("rename_manifest", key)
+            self.point("rename_manifest", key)
             try:
                 os.link(tmp, path)
             except FileExistsError:
                 return False
             finally:
                 os.unlink(tmp)
-            self.persist_point("fsync_dir", key)
+            self.point("fsync_dir", key)
             _fsync_dir(folder)
             return True
         except OSError as e:
             raise _store_error(e, path) from e
 
     def delete(self, key: str) -> None:
-        self.persist_point("gc_delete", key)
+        self.point("gc_delete", key)
         try:
             os.unlink(self._path(key))
         except FileNotFoundError:
@@ -265,20 +242,12 @@ class LocalStorage:
         return total, newest
 
     def delete_tree(self, prefix: str) -> None:
-        self.persist_point("gc_delete", prefix)
+        self.point("gc_delete", prefix)
         path = self._path(prefix)
         if os.path.isdir(path):
             shutil.rmtree(path)
         else:
             self.delete(prefix)
-
-
-def persist_point(storage: Storage, phase: str) -> None:
-    """Tells a fault-injecting storage (tests) that ``phase`` starts; a storage without the
-    ``persist_point`` hook needs nothing."""
-    hook = getattr(storage, "persist_point", None)
-    if hook is not None:
-        hook(phase, "")
 
 
 def _libc_syncfs():

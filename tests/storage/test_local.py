@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from deltackpt.staging import StagingPool
-from deltackpt.storage import BLOCK, DIRECT_MIN, LocalStorage
+from deltackpt.storage import LocalStorage
+from deltackpt.storage.local import BLOCK, DIRECT_MIN
 
 
 def parts_of(pool: StagingPool, rng: np.random.Generator) -> tuple[list[memoryview], bytes]:

@@ -23,16 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
-from . import dtypes
-from .collectives import Collective
-from .errors import StepNotFoundError
-from .manifest import Manifest, PartRecord, TensorRecord
-from .reader import ChainReader
-from .sharding import Box
-from .staging import StagingPool
-from .storage import persist_point
-from .store import STEPS, Store
-from .writer import ChunkMap, StepWriter, chunk_shape
+from .. import dtypes
+from ..collectives import Collective
+from ..errors import StepNotFoundError
+from ..manifest import Manifest, PartRecord, TensorRecord
+from ..reader import ChainReader
+from ..sharding import Box
+from ..staging import StagingPool
+from ..store import STEPS, Store
+from ..writer import ChunkMap, StepWriter, chunk_shape
 
 
 @dataclass(frozen=True)
@@ -145,7 +144,7 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
             bytes_written=sum(size for chunks in files.values() for size, _ in chunks.values()),
             state_bytes=m.state_bytes, compacts=m.attempt,
         )
-        persist_point(store.storage, "compact_commit")
+        store.storage.point("compact_commit", "")
         store.commit(base)  # False: another compaction of this step won; its base serves
         return base.bytes_written
 

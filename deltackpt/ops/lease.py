@@ -17,8 +17,8 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
-from .errors import WriterConflictError
-from .store import LEASE, Store
+from ..errors import WriterConflictError
+from ..store import LEASE, Store
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,25 @@
+"""Where the bytes go: the :class:`Storage` protocol, its backends, and :func:`open_storage`.
+
+Backends: :class:`LocalStorage` (a directory), :class:`MemoryStorage` (this process's memory), and
+:class:`FaultInjection` wrapping either for tests. :mod:`deltackpt.storage.conformance` holds the
+tests every backend passes.
+"""
+
+from __future__ import annotations
+
+from .base import Capabilities, PointHook, Storage
+from .faults import FaultInjection
+from .local import LocalStorage
+from .memory import MemoryStorage
+from .schemes import OPENERS, open_storage
+
+__all__ = [
+    "OPENERS",
+    "Capabilities",
+    "FaultInjection",
+    "LocalStorage",
+    "MemoryStorage",
+    "PointHook",
+    "Storage",
+    "open_storage",
+]

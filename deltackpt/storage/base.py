@@ -1,0 +1,91 @@
+"""The storage interface every backend implements, and the flags that say what a backend can do.
+
+Keys are ``/``-separated paths relative to the store's root. The commit primitive is
+:meth:`Storage.put_if_absent`: create a small object only if no object has that key, durably. On a
+file system it is a temp file, ``fsync``, ``link()`` (which fails if the name exists, unlike
+``rename``) and an ``fsync`` of the directory; object stores implement it as a conditional put.
+
+Data objects are made durable in bulk: :meth:`Storage.write` creates one and :meth:`Storage.sync`
+makes the ones written so far durable; removals become durable with
+:meth:`Storage.sync_folders`. Nothing is committed before ``sync`` returns.
+
+Before each durable step a backend calls its :attr:`Storage.on_point` hook, if one is set, with
+the step's phase name (``write_chunk``, ``fsync``, ``write_manifest_tmp``, ``rename_manifest``,
+``fsync_dir``, ``gc_delete``) and key; saves and compaction announce their own phases through
+:meth:`Storage.point` (``plan_local``, ``plan_global``, ``compact_commit``). Tests inject faults
+there with :class:`~deltackpt.storage.faults.FaultInjection`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+PointHook = Callable[[str, str], None]
+"""Called with ``(phase, key)`` before a durable step."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do beyond the protocol's guarantees.
+
+    Attributes:
+        shared: other processes (ranks, other hosts) see the same objects; a distributed save
+            needs it.
+        persistent: objects outlive the process that wrote them.
+    """
+
+    shared: bool
+    persistent: bool
+
+
+class Storage(Protocol):
+    """What a store needs from its backend. Every method may be called from several threads.
+
+    Missing keys: :meth:`read` and :meth:`read_into` raise :class:`FileNotFoundError`,
+    :meth:`size` returns None, :meth:`list` returns ``[]``, :meth:`delete` does nothing.
+    """
+
+    url: str
+    capabilities: Capabilities
+    on_point: PointHook | None
+
+    def point(self, phase: str, key: str) -> None:
+        """Marks the start of durable step ``phase`` on ``key``: calls :attr:`on_point` if set."""
+
+    def write(self, key: str, parts: Iterable[memoryview]) -> None:
+        """Creates object ``key`` from ``parts``; ``key`` must not exist. Durable after
+        :meth:`sync`."""
+
+    def sync(self, keys: Iterable[str]) -> None:
+        """Makes the objects ``keys`` (written before) durable, names included."""
+
+    def sync_folders(self, folders: Iterable[str]) -> None:
+        """Makes the removals of names under ``folders`` durable."""
+
+    def read_into(self, key: str, out: memoryview, offset: int = 0) -> int:
+        """Reads object ``key`` from byte ``offset`` on into ``out``; returns the object's size,
+        which may not cover ``offset + len(out)`` (then ``out`` holds only the bytes there are)."""
+
+    def read(self, key: str) -> bytes:
+        """The whole object ``key``."""
+
+    def size(self, key: str) -> int | None:
+        """Size of object ``key``, or None if absent."""
+
+    def list(self, prefix: str) -> list[str]:
+        """Names directly under ``prefix`` (objects and folders), sorted."""
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Durably creates ``key`` with ``data`` unless it exists; returns whether it did."""
+
+    def delete(self, key: str) -> None:
+        """Removes object ``key`` if present."""
+
+    def usage(self, prefix: str) -> tuple[int, float]:
+        """Bytes of everything under ``prefix`` (an object or a folder) and the newest
+        modification time among them (0.0 if nothing is there)."""
+
+    def delete_tree(self, prefix: str) -> None:
+        """Removes everything under ``prefix``."""

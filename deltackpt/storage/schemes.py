@@ -1,0 +1,58 @@
+"""Opening a storage from a URL: one opener per scheme.
+
+``file://PATH`` and plain paths open :class:`~deltackpt.storage.local.LocalStorage`. A backend for
+another scheme registers its opener in :data:`OPENERS`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..errors import StoreError
+from .base import Storage
+from .local import LocalStorage
+
+Opener = Callable[[str, Mapping[str, Any]], Storage]
+"""Makes a storage from a URL of its scheme and the caller's ``storage_options``."""
+
+
+def _open_local(url: str, options: Mapping[str, Any]) -> Storage:
+    if options:
+        raise StoreError(None, f"a local store takes no storage_options, got {sorted(options)}")
+    return LocalStorage(url.removeprefix("file://"))
+
+
+OPENERS: dict[str, Opener] = {"file": _open_local}
+
+
+def open_storage(url: str | os.PathLike[str] | Storage,
+                 storage_options: Mapping[str, Any] | None = None) -> Storage:
+    """The storage ``url`` names, opened by the opener of its scheme (a storage object is returned
+    as it is).
+
+    Args:
+        url: ``file://PATH``, a local path, another registered scheme's URL, or a storage.
+        storage_options: settings for the backend (credentials, endpoints, ...).
+
+    Raises:
+        StoreError: no backend handles the URL's scheme, or it refuses the options.
+
+    Example:
+        >>> import tempfile
+        >>> open_storage("file://" + tempfile.mkdtemp()).capabilities.persistent
+        True
+    """
+    if not isinstance(url, (str, os.PathLike)):
+        if storage_options:
+            raise StoreError(None, f"storage_options {sorted(storage_options)} given with a "
+                                   f"storage object ({url.url}); pass them to its constructor")
+        return url
+    path = os.fspath(url)
+    scheme = path.split("://", 1)[0] if "://" in path else "file"
+    opener = OPENERS.get(scheme)
+    if opener is None:
+        raise StoreError(None, f"no storage backend for scheme {scheme!r} in {path!r}; "
+                               f"known: {sorted(OPENERS)}")
+    return opener(path, storage_options or {})
