@@ -63,7 +63,7 @@ import xxhash
 import deltackpt
 from deltackpt import Checkpointer, kernels
 from deltackpt.datasets._ids import PowerLawRows, zipf_pmf
-from deltackpt.gc import Retention
+from deltackpt.ops.gc import Retention
 from deltackpt.policy import ChainLimit, Differential, EveryK, Intermittent
 
 from common import Reserve, cpu_seconds, evict, files, others_cpu  # bench/common.py
