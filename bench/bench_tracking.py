@@ -11,7 +11,7 @@ One run, on the CPU, measures:
   hashing     the CPU hash paths (``hash_rows``, ``hash_chunks``, and hashing gathered rows as a
               marked delta does) beside memcpy (``np.copyto`` into a pre-faulted array) and the
               xxhash library's XXH3 and XXH64 on one buffer of ``--hash-mib``, 1 thread and all.
-  finding     the change sets of such a delta alone (:class:`deltackpt.changes.ChangeTracker`
+  finding     the change sets of such a delta alone (:class:`deltackpt.tracking.changes.ChangeTracker`
               scans, no writes): from marks against from full hashing. With marks, the new
               hashes of the marked rows are taken later, by the writer from the rows it gathers,
               so they are not in this figure; the "gather + hash" row shows what they cost.
@@ -53,14 +53,13 @@ import numba
 import numpy as np
 import torch
 import xxhash
+from common import cpu_seconds, others_cpu  # bench/common.py
+from deltackpt.kernels import reference
 from torch import nn
 
 import deltackpt
 from deltackpt import kernels, statetree
-from deltackpt.changes import ChangeTracker
-from deltackpt.kernels import reference
-
-from common import cpu_seconds, others_cpu  # bench/common.py
+from deltackpt.tracking.changes import ChangeTracker
 
 MiB = 1 << 20
 

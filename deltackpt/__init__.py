@@ -38,7 +38,7 @@ from .hooks import CheckpointHook
 from .policy import BasePolicy, Decision, EveryK
 from .sharding import Shard
 from .storage import LocalStorage, MemoryStorage, Storage, open_storage
-from .tracking import Canary, TrackHandle
+from .tracking.rows import Canary, TrackHandle
 
 __all__ = [
     "BasePolicy",

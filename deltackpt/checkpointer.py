@@ -4,7 +4,7 @@ Save protocol (every rank calls ``save`` with the same step):
 
 1. ``plan_local`` (all ranks): flatten the state; each rank's plan lists its tensors' boxes.
 2. ``plan_global`` (coordinator): check the step, validate the boxes and give every distinct box
-   one writer (:mod:`deltackpt.planner`); cached while no rank's local plan changes.
+   one writer (:mod:`deltackpt.save.planner`); cached while no rank's local plan changes.
 3. ``scan`` (all): each rank finds what changed in the parts it writes.
 4. ``decide`` (coordinator): base or delta by the policy; writes every array's metadata.
 5. ``write`` (all): each rank writes its parts' chunks and makes them durable.
@@ -27,26 +27,42 @@ from typing import Any
 
 import torch
 
-from . import dtypes, statetree
-from .ops import lease
-from .changes import ChangeTracker
+from . import statetree
 from .collectives import Collective
+from .errors import (
+    KeyMismatchError,
+    StateError,
+    StepExistsError,
+    StepNotFoundError,
+    StoreError,
+)
+from .format import dtypes
+from .format.layout import STEPS
+from .format.manifest import ChunkMap, Manifest
+from .io.reader import ChainReader
+from .io.staging import StagingPool
+from .io.writer import StepWriter
+from .ops import lease
 from .ops.compaction import CompactInfo, compact
-from .errors import KeyMismatchError, StateError, StepExistsError, StepNotFoundError, StoreError
 from .ops.gc import GCReport, Retention, collect
-from .manifest import Manifest
-from .planner import GlobalPlan, ItemInfo, LocalPlan, make_global_plan
-from .policy import BasePolicy, ChainState, EveryK
-from .reader import ChainReader
-from .restoring import fill, plan_restore
-from .saving import PartScan, build_manifest, decide, describe, pack_name, summarize, write_part
-from .sharding import Box, Shard, row_block
-from .staging import StagingPool
-from .storage import Storage, open_storage
-from .store import STEPS, Store
-from .tracking import Canary, TrackHandle
 from .ops.verify import VerifyReport, verify
-from .writer import ChunkMap, StepWriter
+from .policy import BasePolicy, ChainState, EveryK
+from .restore.planning import fill, plan_restore
+from .save.phases import (
+    PartScan,
+    build_manifest,
+    decide,
+    describe,
+    pack_name,
+    summarize,
+    write_part,
+)
+from .save.planner import GlobalPlan, ItemInfo, LocalPlan, make_global_plan
+from .sharding import Box, Shard, row_block
+from .storage import Storage, open_storage
+from .store import Store
+from .tracking.changes import ChangeTracker
+from .tracking.rows import Canary, TrackHandle
 
 log = logging.getLogger(__name__)
 
@@ -476,7 +492,7 @@ class Checkpointer:
 
         Hooks every ``nn.Embedding``, ``nn.EmbeddingBag`` and TorchRec ``EmbeddingBagCollection``;
         a delta then writes each table's marked rows, and those of ``optimizer``'s state aligned
-        with the table, checked by a canary (see :mod:`deltackpt.tracking`, :mod:`deltackpt.changes`).
+        with the table, checked by a canary (see :mod:`deltackpt.tracking.rows`, :mod:`deltackpt.tracking.changes`).
 
         Args:
             model: the model, as it sits in the saved state.

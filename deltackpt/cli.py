@@ -20,16 +20,9 @@ from .checkpointer import Checkpointer
 from .errors import DeltackptError, ManifestError
 from .ops.gc import GCReport, Retention
 from .sharding import Shard
+from .sizes import fmt_bytes
 from .storage import open_storage
 from .store import Store
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def progress_bar(total: int, desc: str):
@@ -251,7 +244,7 @@ def _add_retention(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .examples.demo import run_demo
 
     return run_demo(args)
 
@@ -309,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the main job: train a DLRM with checkpoints, restore it on "
                                     "several ranks and resume it, bit for bit")
-    from .demo import add_arguments
+    from .examples.demo import add_arguments
 
     add_arguments(p)
     p.set_defaults(func=cmd_demo)

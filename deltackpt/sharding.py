@@ -7,6 +7,7 @@ tensor (on several ranks, plain tensors are replicas and are written once).
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -126,3 +127,30 @@ def row_block(shape: tuple[int, ...], rank: int, world_size: int) -> Box:
     lo = min(shape[0], rank * block)
     hi = min(shape[0], lo + block)
     return Box((lo, *(0,) * (len(shape) - 1)), (hi - lo, *shape[1:]))
+
+
+def check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
+    """Raises StateError unless ``boxes`` cover ``shape`` exactly, without overlap.
+
+    Sweeps along dimension 0 with the boxes sorted by offset, comparing each box only with the
+    ones whose rows it shares, so row-, column- and table-wise layouts check in O(n log n).
+    """
+    for b in boxes:
+        if len(b.offset) != len(shape) or any(
+            o < 0 or n < 0 or o + n > s for o, n, s in zip(b.offset, b.shape, shape)
+        ):
+            raise StateError(f"{key}: box at {list(b.offset)} of {list(b.shape)} is outside {list(shape)}")
+    nonempty = sorted((b for b in boxes if b.numel), key=lambda b: b.offset)
+    if sum(b.numel for b in nonempty) != math.prod(shape):
+        raise StateError(f"{key}: the ranks' parts cover {sum(b.numel for b in nonempty)} of "
+                         f"{math.prod(shape)} elements")
+    active: list[tuple[int, int, Box]] = []
+    for i, b in enumerate(nonempty):
+        if not b.offset:
+            continue
+        while active and active[0][0] <= b.offset[0]:
+            heapq.heappop(active)
+        for _, _, other in active:
+            if b.intersect(other) is not None:
+                raise StateError(f"{key}: parts at {list(other.offset)} and {list(b.offset)} overlap")
+        heapq.heappush(active, (b.offset[0] + b.shape[0], i, b))

@@ -1,95 +1,22 @@
-"""The store's layout: commit records, step folders, zarr v3 metadata.
+"""The committed steps of one store: listing them, reading their records, walking a chain, and
+committing a record.
 
-```
-ROOT/zarr.json                        zarr v3 group; attributes {"deltackpt": {"format": 2}}
-ROOT/commits/00000000000000000042.json   commit record of step 42 (its presence makes step 42 exist)
-ROOT/bases/00000000000000000042.json     a base of step 42 made by compaction (optional)
-ROOT/steps/zarr.json                  zarr v3 group
-ROOT/steps/ATTEMPT/...                arrays of one save attempt, ATTEMPT = "<step>-<random hex>"
-ROOT/writer.lease                     who may commit steps (see deltackpt.ops.lease)
-```
 A save writes its arrays into a fresh attempt folder, so a crashed save never touches a folder that
 a committed step refers to, and commits by creating its record only if absent. Readers list
-``commits/`` and ignore everything else (temp files start with a dot).
+``commits/`` and ignore everything else (temp files start with a dot). The layout is in
+:mod:`deltackpt.format.layout`.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
-from typing import Any
 
-import torch
-
-from . import dtypes
 from .errors import BrokenChainError, ManifestError, StepNotFoundError, StoreError
-from .manifest import FORMAT, Manifest
+from .format.layout import BASES, COMMITS, RECORD_NAME, STEPS, base_key, commit_key
+from .format.manifest import FORMAT, Manifest
+from .format.zarr_meta import group_doc
 from .storage import Storage
-
-COMMITS = "commits"
-BASES = "bases"
-STEPS = "steps"
-LEASE = "writer.lease"
-_RECORD_NAME = re.compile(r"^(\d{20})\.json$")
-
-
-def commit_key(step: int) -> str:
-    return f"{COMMITS}/{step:020d}.json"
-
-
-def base_key(step: int) -> str:
-    """The record of the base that compaction made for ``step``."""
-    return f"{BASES}/{step:020d}.json"
-
-
-def group_doc(attributes: dict[str, Any] | None = None) -> bytes:
-    return json.dumps(
-        {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
-    ).encode()
-
-
-def array_doc(shape: tuple[int, ...], chunk_shape: tuple[int, ...], dtype: torch.dtype,
-              *, raw: bool = False) -> bytes:
-    """The zarr v3 metadata of an array holding ``dtype`` data, blosc-lz4 coded where the dtype
-    compresses, unless ``raw``."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    bytes_codec: dict[str, Any] = {"name": "bytes"}
-    if itemsize > 1:
-        bytes_codec["configuration"] = {"endian": "little"}
-    codecs = [bytes_codec]
-    if dtypes.compresses(dtype) and not raw:
-        codecs.append(
-            {
-                "name": "blosc",
-                "configuration": {
-                    "cname": dtypes.BLOSC_CNAME,
-                    "clevel": dtypes.BLOSC_LEVEL,
-                    "shuffle": "shuffle",
-                    "typesize": itemsize,
-                    "blocksize": 0,
-                },
-            }
-        )
-    fill: Any = 0
-    if dtype == torch.bool:
-        fill = False
-    elif dtype.is_complex:
-        fill = [0.0, 0.0]
-    elif dtype.is_floating_point and dtypes.zarr_data_type(dtype).startswith("float"):
-        fill = 0.0
-    doc = {
-        "zarr_format": 3,
-        "node_type": "array",
-        "shape": list(shape),
-        "data_type": dtypes.zarr_data_type(dtype),
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk_shape)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
-        "fill_value": fill,
-        "codecs": codecs,
-        "attributes": {"torch_dtype": dtypes.name(dtype)},
-    }
-    return json.dumps(doc).encode()
 
 
 class Store:
@@ -227,5 +154,5 @@ class Store:
 
 
 def _record_steps(names: list[str]) -> list[int]:
-    found = (_RECORD_NAME.match(name) for name in names)
+    found = (RECORD_NAME.match(name) for name in names)
     return sorted(int(m.group(1)) for m in found if m)

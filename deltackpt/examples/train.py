@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..datasets import CriteoConfig, CriteoStream, TokenStream, TokenStreamConfig
+from ..rng import RngState
 from .dlrm import DLRM, DLRMConfig, dlrm_loss, dlrm_optimizers
 from .gpt_moe import GPTMoE, GPTMoEConfig, gpt_loss, gpt_optimizers
 
@@ -53,29 +54,6 @@ def deterministic(seed: int, *, threads: int | None = None) -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(was_deterministic, warn_only=was_warn_only)
         torch.set_num_threads(was_threads)
-
-
-class RngState:
-    """The default torch generator's state, as a checkpointable object.
-
-    ``state_dict()`` reads the generator (a uint8 tensor from :func:`torch.get_rng_state`) and
-    ``load_state_dict()`` sets it, so saving and restoring a state that holds an ``RngState``
-    carries the random stream (dropout masks, sampling) across a restart.
-
-    Example:
-        >>> rng = RngState()
-        >>> saved = rng.state_dict()
-        >>> a = torch.rand(1)
-        >>> rng.load_state_dict(saved)
-        >>> bool(torch.equal(a, torch.rand(1)))
-        True
-    """
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"torch": torch.get_rng_state()}
-
-    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        torch.set_rng_state(state["torch"])
 
 
 class TrainState(dict):

@@ -18,11 +18,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import (
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 
-from ..examples.train import RngState
 from ..errors import HookClosedError
 from ..hooks import CheckpointHook
+from ..rng import RngState
 from .adapter import AdapterSettings
 
 _COUNTERS = ("global_step", "epoch", "num_input_tokens_seen", "total_flos")

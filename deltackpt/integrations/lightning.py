@@ -16,9 +16,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from ..examples.train import RngState
 from ..errors import HookClosedError
 from ..hooks import CheckpointHook
+from ..rng import RngState
 from .adapter import AdapterSettings
 
 

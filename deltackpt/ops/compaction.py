@@ -23,15 +23,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import dtypes
 from ..collectives import Collective
 from ..errors import StepNotFoundError
-from ..manifest import Manifest, PartRecord, TensorRecord
-from ..reader import ChainReader
+from ..format import dtypes
+from ..format.encodings import chunk_shape
+from ..format.layout import STEPS
+from ..format.manifest import ChunkMap, Manifest, PartRecord, TensorRecord
+from ..io.reader import ChainReader
+from ..io.staging import StagingPool
+from ..io.writer import StepWriter
 from ..sharding import Box
-from ..staging import StagingPool
-from ..store import STEPS, Store
-from ..writer import ChunkMap, StepWriter, chunk_shape
+from ..store import Store
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,9 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import DeltackptError
-from ..manifest import Manifest
-from ..store import BASES, COMMITS, STEPS, Store, base_key, commit_key
+from ..format.layout import BASES, COMMITS, STEPS, base_key, commit_key
+from ..format.manifest import Manifest
+from ..store import Store
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ import uuid
 from dataclasses import asdict, dataclass
 
 from ..errors import WriterConflictError
-from ..store import LEASE, Store
+from ..format.layout import LEASE
+from ..store import Store
 
 
 @dataclass(frozen=True)

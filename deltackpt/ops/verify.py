@@ -10,10 +10,11 @@ from functools import partial
 import torch
 
 from ..errors import BrokenChainError, DeltackptError, IntegrityError, MissingChunkError
-from ..manifest import Manifest
-from ..reader import fetch, fetch_file, file_size, stored_size
-from ..staging import StagingPool
-from ..store import STEPS, Store
+from ..format.layout import STEPS
+from ..format.manifest import Manifest
+from ..io.reader import fetch, fetch_file, file_size, stored_size
+from ..io.staging import StagingPool
+from ..store import Store
 
 
 @dataclass(frozen=True)

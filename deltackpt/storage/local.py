@@ -25,6 +25,7 @@ import shutil
 import uuid
 from collections.abc import Iterable
 from typing import Any
+
 import numpy as np
 
 from ..errors import StorageFullError, StoreError

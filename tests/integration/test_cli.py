@@ -9,11 +9,11 @@ import sys
 
 import pytest
 import torch
+from helpers import assert_same_state
 
 from deltackpt import Checkpointer
 from deltackpt.cli import main
-from deltackpt.store import commit_key
-from helpers import assert_same_state
+from deltackpt.format.layout import commit_key
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deltackpt import BrokenChainError, Checkpointer, IntegrityError, MissingChunkError
-from deltackpt.store import commit_key
+from deltackpt.format.layout import commit_key
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from deltackpt.staging import StagingPool
+from deltackpt.io.staging import StagingPool
 from deltackpt.storage import LocalStorage
 from deltackpt.storage.local import BLOCK, DIRECT_MIN
 

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deltackpt import Checkpointer, DeltackptError, ManifestError, statetree
-from deltackpt.manifest import Manifest
-from deltackpt.store import commit_key
+from deltackpt.format.layout import commit_key
+from deltackpt.format.manifest import Manifest
 
 
 @pytest.fixture(scope="module")

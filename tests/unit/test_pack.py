@@ -10,7 +10,8 @@ import numpy as np
 import torch
 import zarr
 
-from deltackpt import Checkpointer, StoreError, saving
+from deltackpt import Checkpointer, StoreError
+from deltackpt.save import phases
 
 
 def test_chunks_spanning_pack_files_restore_bit_exactly(store_path):
@@ -39,7 +40,7 @@ def test_chunks_spanning_pack_files_restore_bit_exactly(store_path):
 
 def test_a_save_failing_while_packing_gives_its_buffers_back(store_path, monkeypatch):
     table = torch.zeros(1000, 8)
-    real = saving.write_part
+    real = phases.write_part
     calls = []
 
     def failing(*args, **kwargs):

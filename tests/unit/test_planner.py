@@ -9,7 +9,7 @@ import torch
 
 import deltackpt.checkpointer as checkpointer_module
 from deltackpt import Checkpointer, StateError
-from deltackpt.planner import ItemInfo, LocalPlan, check_tiling, make_global_plan
+from deltackpt.save.planner import ItemInfo, LocalPlan, check_tiling, make_global_plan
 from deltackpt.sharding import Box
 
 TREE = {"dict": []}

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from deltackpt import StateError
-from deltackpt.changes import ChangeTracker
-from deltackpt.marks import Canary, TableMode
 from deltackpt.statetree import key_part
-from deltackpt.tracking import RowTracker
+from deltackpt.tracking.changes import ChangeTracker
+from deltackpt.tracking.marks import Canary, TableMode
+from deltackpt.tracking.rows import RowTracker
 
 ROWS = 300
 DIM = 8
@@ -157,7 +157,7 @@ def test_canary_notices_weight_decay(caplog):
         if step:
             train_step(model, (opt, dense), gen)
         tensors = flat_state(model, opt, dense)
-        with caplog.at_level(logging.WARNING, logger="deltackpt.changes"):
+        with caplog.at_level(logging.WARNING, logger="deltackpt.tracking.changes"):
             got, want = tracked.scan(tensors), oracle.scan(tensors)
         same_changes(got, want)  # exact all the same
         tracked.adopt(tensors, got)
@@ -247,7 +247,7 @@ def test_remove_stops_marking_and_warns_on_a_wrong_prefix(caplog):
     model = nn.Sequential(nn.EmbeddingBag(20, 4))
     rows = RowTracker()
     handle = rows.track(model, prefix="net")
-    with caplog.at_level(logging.WARNING, logger="deltackpt.tracking"):
+    with caplog.at_level(logging.WARNING, logger="deltackpt.tracking.rows"):
         assert rows.resolve({"model/0.weight": model[0].weight}) == []
         rows.resolve({"model/0.weight": model[0].weight})
     assert [r.getMessage().count("'net/0.weight'") for r in caplog.records] == [1]

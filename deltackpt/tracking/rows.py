@@ -5,7 +5,7 @@ A tracked table has a mask on its device, one entry per row, that forward hooks 
 set from the lookup ids with :func:`deltackpt.kernels.mark_rows`: O(lookups) per step, never
 O(table). At a save, the marked rows are the table's change set, and the change set of optimizer
 state aligned with the table (Adagrad ``sum``, Adam ``exp_avg``/``exp_avg_sq``, row-wise 1-D
-accumulators) too. :mod:`deltackpt.changes` uses the marks, checks them with a canary and falls
+accumulators) too. :mod:`deltackpt.tracking.changes` uses the marks, checks them with a canary and falls
 back to hashing; this module only records them.
 
 Flat keys. A save flattens its state to ``/``-joined paths (:func:`deltackpt.statetree.flatten`).
@@ -20,8 +20,8 @@ found by identity in ``optimizer.param_groups`` at every save, so parameter grou
 ``track`` count. A tracked key absent from the saved state logs a warning once (a wrong prefix
 costs full hashing, never correctness).
 
-What is marked, and how TorchRec's collections are read: :mod:`deltackpt.lookups`; one table's
-marks and when they can stand for its changes: :mod:`deltackpt.marks`.
+What is marked, and how TorchRec's collections are read: :mod:`deltackpt.tracking.lookups`; one table's
+marks and when they can stand for its changes: :mod:`deltackpt.tracking.marks`.
 
 Example:
     >>> import torch
@@ -42,10 +42,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..errors import StateError
+from ..statetree import key_part
 from . import lookups
-from .errors import StateError
 from .marks import Canary, TrackedTable
-from .statetree import key_part
 
 log = logging.getLogger(__name__)
 

@@ -8,13 +8,13 @@ their bytes. Both are found one of two ways:
 * Hashes: a 64-bit hash per row or chunk, compared with the hashes of the last commit. Hashes
   compare bits, so a row holding the same NaN payload is unchanged and ``-0.0`` differs from
   ``0.0``. A change goes unseen only on an XXH64 collision (about 2^-64 per changed row or chunk).
-* Marks (:mod:`deltackpt.tracking`): for a tracked table and its aligned optimizer state, the
+* Marks (:mod:`deltackpt.tracking.rows`): for a tracked table and its aligned optimizer state, the
   rows its lookups marked since the last commit, with no pass over the table. The hashes of those
   rows (or of the chunks holding them, for 1-D state) are recomputed, so the last commit's hashes
   stay current at O(changed) cost: a delta's writer hashes them from the copies it writes
-  (:func:`deltackpt.saving.write_part`), and :meth:`ChangeTracker.adopt` hashes whatever no
+  (:func:`deltackpt.save.phases.write_part`), and :meth:`ChangeTracker.adopt` hashes whatever no
   writer did (in a base). Each such save also re-hashes a
-  random sample of unmarked rows (the :class:`~deltackpt.marks.Canary`) and compares them
+  random sample of unmarked rows (the :class:`~deltackpt.tracking.marks.Canary`) and compares them
   with the last commit: a mismatch means something changes rows without a lookup (weight decay,
   dense Adam, a custom optimizer). It logs a warning naming the table, hashes that table and its
   optimizer state from then on, and the save writes the rows the hashes find.
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kernels
+from .. import kernels
 from .marks import TableMode, TrackedTable
-from .tracking import RowTracker, TrackedGroup
+from .rows import RowTracker, TrackedGroup
 
 log = logging.getLogger(__name__)
 

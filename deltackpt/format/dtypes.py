@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import StateError
+from ..errors import StateError
 
 _NATIVE = {
     torch.bool: "bool",

@@ -15,12 +15,14 @@ from typing import Any
 
 import torch
 
-from . import dtypes
-from .changes import TensorChange, is_row_sparse
-from .manifest import Manifest, PartRecord, TensorRecord
+from ..format import dtypes
+from ..format.encodings import chunk_shape
+from ..format.layout import pack_name, part_folder
+from ..format.manifest import ChunkMap, Manifest, PartRecord, TensorRecord
+from ..io.writer import StepWriter
+from ..policy import BasePolicy, ChainState
+from ..tracking.changes import TensorChange, is_row_sparse
 from .planner import GlobalPlan, PartPlan, TensorPlan
-from .policy import BasePolicy, ChainState
-from .writer import ChunkMap, StepWriter, chunk_shape, part_folder
 
 
 @dataclass(frozen=True)
@@ -96,11 +98,6 @@ def describe(writer: StepWriter, plan: GlobalPlan, kind: str, changed: dict[tupl
                 names = part_folder(t.key, p.path).split("/")
                 folders.update("/".join(names[:i]) for i in range(1, len(names)))
     writer.groups(sorted(folders))
-
-
-def pack_name(rank: int) -> str:
-    """The pack holding the chunks rank ``rank`` writes for a delta."""
-    return f"pack.{rank}"
 
 
 def write_part(writer: StepWriter, kind: str, key: str, part: PartPlan, t: torch.Tensor,

@@ -13,13 +13,12 @@ changes.
 from __future__ import annotations
 
 import hashlib
-import heapq
 import math
 import pickle
 from dataclasses import dataclass
 
-from .errors import StateError
-from .sharding import Box
+from ..errors import StateError
+from ..sharding import Box, check_tiling
 
 
 @dataclass(frozen=True)
@@ -117,30 +116,3 @@ def make_global_plan(local_plans: list[LocalPlan], tree: dict) -> GlobalPlan:
         parts = tuple(PartPlan(b, writers[(key, b)], "" if whole else f"p{i}") for i, b in enumerate(boxes))
         tensors[key] = TensorPlan(key, meta[key].dtype, meta[key].global_shape, parts)
     return GlobalPlan(tensors, tree)
-
-
-def check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
-    """Raises StateError unless ``boxes`` cover ``shape`` exactly, without overlap.
-
-    Sweeps along dimension 0 with the boxes sorted by offset, comparing each box only with the
-    ones whose rows it shares, so row-, column- and table-wise layouts check in O(n log n).
-    """
-    for b in boxes:
-        if len(b.offset) != len(shape) or any(
-            o < 0 or n < 0 or o + n > s for o, n, s in zip(b.offset, b.shape, shape)
-        ):
-            raise StateError(f"{key}: box at {list(b.offset)} of {list(b.shape)} is outside {list(shape)}")
-    nonempty = sorted((b for b in boxes if b.numel), key=lambda b: b.offset)
-    if sum(b.numel for b in nonempty) != math.prod(shape):
-        raise StateError(f"{key}: the ranks' parts cover {sum(b.numel for b in nonempty)} of "
-                         f"{math.prod(shape)} elements")
-    active: list[tuple[int, int, Box]] = []
-    for i, b in enumerate(nonempty):
-        if not b.offset:
-            continue
-        while active and active[0][0] <= b.offset[0]:
-            heapq.heappop(active)
-        for _, _, other in active:
-            if b.intersect(other) is not None:
-                raise StateError(f"{key}: parts at {list(other.offset)} and {list(b.offset)} overlap")
-        heapq.heappush(active, (b.offset[0] + b.shape[0], i, b))

@@ -13,11 +13,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import dtypes, statetree
-from .errors import DtypeMismatchError, KeyMismatchError, ShapeMismatchError, StateError
-from .manifest import Manifest
-from .reader import ChainReader
-from .sharding import Shard, as_shard, is_dtensor
+from .. import statetree
+from ..errors import (
+    DtypeMismatchError,
+    KeyMismatchError,
+    ShapeMismatchError,
+    StateError,
+)
+from ..format import dtypes
+from ..format.manifest import Manifest
+from ..io.reader import ChainReader
+from ..sharding import Shard, as_shard, is_dtensor
 
 
 @dataclass

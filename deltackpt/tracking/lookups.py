@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from .errors import StateError
+from ..errors import StateError
 
 Hook = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]
 

@@ -18,7 +18,6 @@ the rank that writes a part's chunks, so both agree on the chunk grid.
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -27,66 +26,18 @@ from concurrent.futures import Executor, Future
 import numpy as np
 import torch
 import xxhash
-from numcodecs import Blosc
 
-from . import dtypes, kernels
+from .. import kernels
+from ..format.layout import chunk_key, part_folder
+from ..format.manifest import ChunkMap
+from ..format.zarr_meta import array_doc, codec_for, group_doc
+from ..storage import Storage
 from .staging import StagingPool
-from .storage import Storage
-from .store import array_doc, group_doc
-
-# A chunk's [size, xxh3-64 hex], and for a chunk in a pack, its byte offset there.
-Entry = tuple[int, str] | tuple[int, str, int]
-ChunkMap = dict[str, Entry]
-
-
-def rows_per_chunk(rows: int, row_bytes: int, chunk_bytes: int) -> int:
-    """Rows per chunk: about ``chunk_bytes`` each, split evenly so the edge chunk pads little."""
-    if rows == 0:
-        return 1
-    target = max(1, chunk_bytes // max(1, row_bytes))
-    return -(-rows // -(-rows // target))
-
-
-def dense_chunk_elems(numel: int, itemsize: int, dense_chunk_bytes: int) -> int:
-    """Elements per dense chunk: one chunk for a part smaller than a chunk, so a small tensor's
-    delta is not padded to the full chunk size."""
-    return max(1, min(numel, dense_chunk_bytes // itemsize))
-
-
-def chunk_shape(encoding: str, shape: tuple[int, ...], itemsize: int, changed: int,
-                chunk_bytes: int, dense_chunk_bytes: int) -> tuple[int, ...]:
-    """The chunk shape of a part's array (of its ``rows`` array for ``"rows"``)."""
-    if encoding == "chunks":
-        return (dense_chunk_elems(math.prod(shape), itemsize, dense_chunk_bytes),)
-    if not shape:
-        return ()
-    row_bytes = math.prod(shape[1:]) * itemsize
-    rows = shape[0] if encoding == "full" else changed
-    return (rows_per_chunk(rows, row_bytes, chunk_bytes), *shape[1:])
-
-
-def chunk_key(index: int, ndim: int) -> str:
-    """The zarr v3 default key, with the ``.`` separator, of chunk ``index`` along dimension 0
-    (``c`` for a 0-d array). ``.`` keeps every chunk file in its array's folder: ``/`` would make
-    a folder per chunk row, each one more directory to create and fsync."""
-    return ".".join(["c", str(index)] + ["0"] * (ndim - 1)) if ndim else "c"
-
-
-def part_folder(key: str, path: str) -> str:
-    return f"{key}/{path}" if path else key
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def codec_for(dtype: torch.dtype) -> Blosc | None:
-    if not dtypes.compresses(dtype):
-        return None
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return Blosc(cname=dtypes.BLOSC_CNAME, clevel=dtypes.BLOSC_LEVEL, shuffle=Blosc.SHUFFLE,
-                 typesize=itemsize, blocksize=0)
 
 
 class StepWriter:

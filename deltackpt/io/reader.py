@@ -17,14 +17,14 @@ import numpy as np
 import torch
 import xxhash
 
-from . import dtypes
-from .errors import IntegrityError, MissingChunkError
-from .manifest import Manifest, PartRecord, TensorRecord
-from .sharding import Box
+from ..errors import IntegrityError, MissingChunkError
+from ..format import dtypes
+from ..format.layout import STEPS, chunk_key, part_folder
+from ..format.manifest import Entry, Manifest, PartRecord, TensorRecord
+from ..format.zarr_meta import codec_for
+from ..sharding import Box
+from ..storage import Storage
 from .staging import StagingPool
-from .storage import Storage
-from .store import STEPS
-from .writer import Entry, chunk_key, codec_for, part_folder
 
 Job = Callable[[], None]
 

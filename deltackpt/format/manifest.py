@@ -13,14 +13,18 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import ManifestError, StateError
+from ..sharding import Box, check_tiling
 from . import dtypes
-from .errors import ManifestError, StateError
-from .planner import check_tiling
-from .sharding import Box
 
 FORMAT = 2
 KINDS = ("base", "delta")
 ENCODINGS = ("full", "rows", "chunks")
+
+
+# A chunk's [size, xxh3-64 hex], and for a chunk in a pack, its byte offset there.
+Entry = tuple[int, str] | tuple[int, str, int]
+ChunkMap = dict[str, Entry]
 
 
 @dataclass(frozen=True)

@@ -31,14 +31,15 @@ from typing import Any
 
 import torch
 
+from .. import statetree
+from ..checkpointer import Checkpointer, SaveInfo
+from ..datasets import CriteoConfig
+from ..errors import DeltackptError
+from ..format import dtypes
+from ..hooks import CheckpointHook
+from ..sharding import Shard, row_block
+from . import SPARSE_OPTIMIZERS, deterministic, dlrm_run, train
 from . import demo_report as report
-from . import dtypes, statetree
-from .checkpointer import Checkpointer, SaveInfo
-from .datasets import CriteoConfig
-from .errors import DeltackptError
-from .examples import SPARSE_OPTIMIZERS, deterministic, dlrm_run, train
-from .hooks import CheckpointHook
-from .sharding import Shard, row_block
 
 THREADS = 1
 """Intra-op threads while training: the DLRM's ops are small, so more threads cost more than they
@@ -267,7 +268,7 @@ def restore_on_ranks(store: str, step: int, world: int, want: Snapshot,
     methods = mp.get_all_start_methods()
     ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
     if "forkserver" in methods:
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "deltackpt.demo"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "deltackpt.examples.demo"])
     with tempfile.TemporaryDirectory(prefix="deltackpt-demo-") as tmp:
         reference = os.path.join(tmp, "reference.pt")
         torch.save(want[0], reference)

@@ -1,7 +1,7 @@
 """One tracked table's marks: a mask with an entry per row, and when they stand for its changes.
 
 Marks made before a table's first save are not needed (that save hashes the table) and are
-dropped. A table's :class:`TableMode` moves on as :mod:`deltackpt.changes` scans and commits::
+dropped. A table's :class:`TableMode` moves on as :mod:`deltackpt.tracking.changes` scans and commits::
 
     OFF --scan (hashes; recording starts)--> STARTING --commit--> ON
     ON --scan (marks taken; pending until the commit)--> ON
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import kernels
+from .. import kernels
 
 
 @dataclass(frozen=True)

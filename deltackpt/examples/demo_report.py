@@ -14,8 +14,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .checkpointer import SaveInfo
-from .cli import fmt_bytes
+from ..checkpointer import SaveInfo
+from ..sizes import fmt_bytes
 
 
 class Output:

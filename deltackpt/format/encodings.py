@@ -1,0 +1,35 @@
+"""How a part's data is laid out in chunks, by encoding.
+
+A base stores each part whole (``full``); a delta stores a row-sparse tensor's changed rows with
+their ids (``rows``) and any other tensor's changed chunks of its flat elements (``chunks``).
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def rows_per_chunk(rows: int, row_bytes: int, chunk_bytes: int) -> int:
+    """Rows per chunk: about ``chunk_bytes`` each, split evenly so the edge chunk pads little."""
+    if rows == 0:
+        return 1
+    target = max(1, chunk_bytes // max(1, row_bytes))
+    return -(-rows // -(-rows // target))
+
+
+def dense_chunk_elems(numel: int, itemsize: int, dense_chunk_bytes: int) -> int:
+    """Elements per dense chunk: one chunk for a part smaller than a chunk, so a small tensor's
+    delta is not padded to the full chunk size."""
+    return max(1, min(numel, dense_chunk_bytes // itemsize))
+
+
+def chunk_shape(encoding: str, shape: tuple[int, ...], itemsize: int, changed: int,
+                chunk_bytes: int, dense_chunk_bytes: int) -> tuple[int, ...]:
+    """The chunk shape of a part's array (of its ``rows`` array for ``"rows"``)."""
+    if encoding == "chunks":
+        return (dense_chunk_elems(math.prod(shape), itemsize, dense_chunk_bytes),)
+    if not shape:
+        return ()
+    row_bytes = math.prod(shape[1:]) * itemsize
+    rows = shape[0] if encoding == "full" else changed
+    return (rows_per_chunk(rows, row_bytes, chunk_bytes), *shape[1:])

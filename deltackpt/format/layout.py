@@ -1,0 +1,47 @@
+"""The store's layout: where each record, step folder and chunk lives.
+
+```
+ROOT/zarr.json                        zarr v3 group; attributes {"deltackpt": {"format": 2}}
+ROOT/commits/00000000000000000042.json   commit record of step 42 (its presence makes step 42 exist)
+ROOT/bases/00000000000000000042.json     a base of step 42 made by compaction (optional)
+ROOT/steps/zarr.json                  zarr v3 group
+ROOT/steps/ATTEMPT/...                arrays of one save attempt, ATTEMPT = "<step>-<random hex>"
+ROOT/writer.lease                     who may commit steps (see deltackpt.ops.lease)
+```
+"""
+
+from __future__ import annotations
+
+import re
+
+COMMITS = "commits"
+BASES = "bases"
+STEPS = "steps"
+LEASE = "writer.lease"
+RECORD_NAME = re.compile(r"^(\d{20})\.json$")
+
+
+def commit_key(step: int) -> str:
+    return f"{COMMITS}/{step:020d}.json"
+
+
+def base_key(step: int) -> str:
+    """The record of the base that compaction made for ``step``."""
+    return f"{BASES}/{step:020d}.json"
+
+
+def chunk_key(index: int, ndim: int) -> str:
+    """The zarr v3 default key, with the ``.`` separator, of chunk ``index`` along dimension 0
+    (``c`` for a 0-d array). ``.`` keeps every chunk file in its array's folder: ``/`` would make
+    a folder per chunk row, each one more directory to create and fsync."""
+    return ".".join(["c", str(index)] + ["0"] * (ndim - 1)) if ndim else "c"
+
+
+def part_folder(key: str, path: str) -> str:
+    """The folder of a tensor's part (of the tensor, for a part that is the whole tensor)."""
+    return f"{key}/{path}" if path else key
+
+
+def pack_name(rank: int) -> str:
+    """The pack holding the chunks rank ``rank`` writes for a delta."""
+    return f"pack.{rank}"

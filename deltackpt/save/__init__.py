@@ -1,0 +1,1 @@
+"""A save, phase by phase: plan, scan, decide, stage, write, commit."""
