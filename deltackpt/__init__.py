@@ -33,31 +33,54 @@ from .errors import (
     StepNotFoundError,
     StorageFullError,
     StoreError,
+    WriterConflictError,
 )
 from .hooks import CheckpointHook
-from .policy import BasePolicy, Decision, EveryK
+from .ops.compaction import CompactInfo
+from .ops.gc import GCReport, Retention
+from .ops.verify import VerifyReport
+from .policy import (
+    BasePolicy,
+    ChainLimit,
+    ChainState,
+    Decision,
+    Differential,
+    EveryK,
+    Intermittent,
+)
+from .rng import RngState
 from .sharding import Shard
-from .storage import LocalStorage, MemoryStorage, Storage, open_storage
-from .tracking.rows import Canary, TrackHandle
+from .storage import Capabilities, LocalStorage, MemoryStorage, Storage, open_storage
+from .tracking.marks import Canary
+from .tracking.rows import TrackHandle
 
 __all__ = [
     "BasePolicy",
     "BrokenChainError",
     "Canary",
+    "Capabilities",
+    "ChainLimit",
+    "ChainState",
     "CheckpointAborted",
     "CheckpointHook",
     "Checkpointer",
+    "CompactInfo",
     "Decision",
     "DeltackptError",
+    "Differential",
     "DtypeMismatchError",
     "EveryK",
+    "GCReport",
     "HookClosedError",
     "IntegrityError",
+    "Intermittent",
     "KeyMismatchError",
     "LocalStorage",
-    "MemoryStorage",
     "ManifestError",
+    "MemoryStorage",
     "MissingChunkError",
+    "Retention",
+    "RngState",
     "SaveInfo",
     "ShapeMismatchError",
     "Shard",
@@ -68,5 +91,7 @@ __all__ = [
     "StorageFullError",
     "StoreError",
     "TrackHandle",
+    "VerifyReport",
+    "WriterConflictError",
     "open_storage",
 ]

@@ -1,14 +1,17 @@
 """The Checkpointer: save, list, load and restore steps of one store, on one rank or many.
 
-Save protocol (every rank calls ``save`` with the same step):
+Save protocol (every rank calls ``save`` with the same step), one function of :mod:`deltackpt.save`
+per phase, each over the frozen values of the ones before:
 
 1. ``plan_local`` (all ranks): flatten the state; each rank's plan lists its tensors' boxes.
 2. ``plan_global`` (coordinator): check the step, validate the boxes and give every distinct box
    one writer (:mod:`deltackpt.save.planner`); cached while no rank's local plan changes.
 3. ``scan`` (all): each rank finds what changed in the parts it writes.
-4. ``decide`` (coordinator): base or delta by the policy; writes every array's metadata.
-5. ``write`` (all): each rank writes its parts' chunks and makes them durable.
-6. ``commit`` (coordinator): the commit record, created only if absent.
+4. ``decide`` (coordinator): base or delta by the policy: the :class:`~deltackpt.save.types.SavePlan`.
+5. ``stage`` (all): each rank copies what it writes into staging buffers, queuing their writes;
+   the coordinator adds every array's metadata. After it, nothing reads the live state.
+6. ``write`` (all): each rank waits for its writes and makes them durable.
+7. ``commit`` (coordinator): the commit record, created only if absent.
 
 A failure in any phase on any rank raises :class:`CheckpointAborted` on every rank; nothing is
 committed, and the change trackers keep their state, so the next save carries the changes.
@@ -22,7 +25,6 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,14 +33,11 @@ from . import statetree
 from .collectives import Collective
 from .errors import (
     KeyMismatchError,
-    StateError,
-    StepExistsError,
     StepNotFoundError,
     StoreError,
 )
-from .format import dtypes
 from .format.layout import STEPS
-from .format.manifest import ChunkMap, Manifest
+from .format.manifest import Manifest
 from .io.reader import ChainReader
 from .io.staging import StagingPool
 from .io.writer import StepWriter
@@ -47,49 +46,23 @@ from .ops.compaction import CompactInfo, compact
 from .ops.gc import GCReport, Retention, collect
 from .ops.verify import VerifyReport, verify
 from .policy import BasePolicy, ChainState, EveryK
-from .restore.planning import fill, plan_restore
-from .save.phases import (
-    PartScan,
-    build_manifest,
-    decide,
-    describe,
-    pack_name,
-    summarize,
-    write_part,
-)
-from .save.planner import GlobalPlan, ItemInfo, LocalPlan, make_global_plan
-from .sharding import Box, Shard, row_block
+from .restore.load import read_step
+from .restore.planning import RestorePlan, fill, plan_restore
+from .save.commit import commit
+from .save.decide import decide
+from .save.local import plan_local, write_items
+from .save.planner import GlobalPlan, GlobalPlanner, LocalPlan
+from .save.scan import scan
+from .save.stage import open_writer, stage, write
+from .save.types import Kind, LocalState, SaveInfo, WriteResult
 from .storage import Storage, open_storage
 from .store import Store
-from .tracking.changes import ChangeTracker
+from .tracking.changes import ChangeTracker, TensorChange
 from .tracking.rows import Canary, TrackHandle
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-
-
-@dataclass(frozen=True)
-class SaveInfo:
-    """What one save did (over all ranks).
-
-    Attributes:
-        step: the step saved.
-        kind: ``"base"`` or ``"delta"``.
-        bytes_written: bytes of every file written.
-        state_bytes: bytes of every tensor of the state (what a full checkpoint writes).
-        rows_changed: rows written for row-sparse tensors (all rows, for a base).
-        seconds: wall time of the save on this rank.
-        reason: why the policy chose this kind.
-    """
-
-    step: int
-    kind: str
-    bytes_written: int
-    state_bytes: int
-    rows_changed: int
-    seconds: float
-    reason: str
 
 
 class Checkpointer:
@@ -166,8 +139,7 @@ class Checkpointer:
         self._head: Manifest | None = None  # the step the next delta applies to
         self._chain = ChainState(0, 0, 0)
         self._sent_digest: str | None = None  # this rank's last local plan, as sent
-        self._local_plans: dict[int, LocalPlan] = {}  # coordinator: the ranks' last local plans
-        self._plan: tuple[tuple[str, ...], GlobalPlan] | None = None  # digests -> cached plan
+        self._planner = GlobalPlanner(self.world_size)
         self._take_over = take_over
         self._lease: lease.Lease | None = None  # coordinator: held from the first save on
 
@@ -216,145 +188,72 @@ class Checkpointer:
             CheckpointAborted: on several ranks, any rank's failure, a dead or hung rank.
         """
         t0 = time.perf_counter()
-        local: dict[str, Any] = {}
-
-        def plan_local() -> tuple[int, str, LocalPlan | None]:
-            self.store.storage.point("plan_local", "")
-            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-                raise StepExistsError(f"step must be a non-negative int, got {step!r}")
-            flat = statetree.flatten(state)
-            shards = {k: s if s.local.is_contiguous() else
-                      Shard(s.local.contiguous(), global_shape=s.global_shape, global_offset=s.global_offset)
-                      for k, s in flat.tensors.items()}
-            items = tuple(
-                ItemInfo(k, dtypes.name(s.local.dtype), s.global_shape, s.box, s.local.element_size())
-                for k, s in sorted(shards.items())
-            )
-            plan = LocalPlan(self.rank, items, flat.tree, self._sizes)
-            local.update(shards=shards, digest=plan.digest())
-            return step, local["digest"], None if local["digest"] == self._sent_digest else plan
-
-        sent = self._coll.all("plan_local", plan_local)
+        storage = self.store.storage
+        sent, local = self._coll.each("plan_local", lambda: self._plan_local(step, state))
         plan = self._global_plan(sent)
-        self._sent_digest = local["digest"]
-        owned = plan.owned(self.rank)
+        self._sent_digest = local.digest
+        items = write_items(plan, self.rank, local)
+        scans, changes = self._coll.each("scan", lambda: scan(self._tracker, items))
+        save = self._coll.one("decide", lambda: decide(
+            self.policy, self._head, self._chain, plan, [s for per_rank in scans for s in per_rank],
+            step=step, attempt=self.store.new_attempt(step)))
+        writers = [open_writer(storage, save, self.rank, self._pool, self._executor)]
+        if self._coll.is_coordinator:
+            writers.append(StepWriter(storage, f"{STEPS}/{save.attempt}", self._pool, self._executor))
 
-        def scan() -> list[PartScan]:
-            tensors = {tp.key: local["shards"][tp.key].local for tp, _ in owned}
-            changes = self._tracker.scan(tensors)
-            local.update(tensors=tensors, changes=changes)
-            return [summarize(tp.key, part.path, tensors[tp.key], changes[tp.key],
-                              self._tracker.chunk_elems(tensors[tp.key])) for tp, part in owned]
+        def stage_and_write() -> tuple[WriteResult, dict[str, TensorChange]]:
+            staged = stage(writers, self._pool, save, items, changes, self._sizes,
+                           coordinator=self._coll.is_coordinator)
+            return write(storage, writers), staged
 
-        scans = [s for per_rank in self._coll.all("scan", scan) for s in per_rank]
-        kind, reason, attempt, changed = self._coll.one(
-            "decide", lambda: self._decide_and_describe(step, plan, scans, local))
+        results, staged = self._coll.each("write", stage_and_write)
+        manifest = self._coll.one("commit", lambda: commit(
+            self.store, save, results, head=self._head, world_size=self.world_size,
+            policy=self.policy.name, sizes=self._sizes, lease=self._lease))
+        self._advance(save.kind, manifest, {it.key: it.tensor for it in items}, staged)
+        rows = sum(r.changed for r in manifest.tensors.values() if len(r.shape) >= 2)
+        info = SaveInfo(step, save.kind, manifest.bytes_written, manifest.state_bytes, rows,
+                        time.perf_counter() - t0, save.reason)
+        if self._coll.is_coordinator:
+            log.info("saved step %d: %s, %d B of %d B in %.3f s", step, save.kind, info.bytes_written,
+                     info.state_bytes, info.seconds)
+        return info
 
-        def write() -> tuple[dict[tuple[str, str], ChunkMap], dict[str, ChunkMap]]:
-            writer = StepWriter(self.store.storage, f"{STEPS}/{attempt}", self._pool, self._executor,
-                                pack=pack_name(self.rank) if kind == "delta" else None)
-            try:
-                for tp, part in owned:
-                    local["changes"][tp.key] = write_part(
-                        writer, kind, tp.key, part, local["tensors"][tp.key], local["changes"][tp.key],
-                        changed[(tp.key, part.path)], self._sizes)
-            except BaseException:
-                writer.abandon()
-                raise
-            try:
-                return writer.finish(), writer.packs
-            finally:
-                self.store.storage.sync(writer.written)
+    def _plan_local(self, step: int, state: Mapping[str, Any]
+                    ) -> tuple[tuple[int, str, LocalPlan | None], LocalState]:
+        """This rank's local state, and what the coordinator needs of it (the plan only when it
+        changed since the last save)."""
+        self.store.storage.point("plan_local", "")
+        local = plan_local(step, state, self.rank, self._sizes)
+        return (step, local.digest, None if local.digest == self._sent_digest else local.plan), local
 
-        results = self._coll.all("write", write)
-        manifest = self._coll.one(
-            "commit", lambda: self._commit(step, kind, reason, attempt, plan, changed, results, local))
-        if kind == "base" or not getattr(self.policy, "differential", False):
-            self._tracker.adopt(local["tensors"], local["changes"])
+    def _advance(self, kind: Kind, manifest: Manifest, tensors: dict[str, torch.Tensor],
+                 changes: dict[str, TensorChange]) -> None:
+        """After a commit: the change tracker's reference and the chain the next delta extends."""
+        if kind == Kind.BASE or not getattr(self.policy, "differential", False):
+            self._tracker.adopt(tensors, changes)
             self._head = manifest
         # A differential policy's deltas all apply to the base: keep it as the reference.
         self._chain = (
-            ChainState(0, 0, manifest.bytes_written) if kind == "base"
+            ChainState(0, 0, manifest.bytes_written) if kind == Kind.BASE
             else ChainState(self._chain.deltas + 1, self._chain.delta_bytes + manifest.bytes_written,
                             self._chain.base_bytes)
         )
-        rows = sum(r.changed for r in manifest.tensors.values() if len(r.shape) >= 2)
-        info = SaveInfo(step, kind, manifest.bytes_written, manifest.state_bytes, rows,
-                        time.perf_counter() - t0, reason)
-        if self._coll.is_coordinator:
-            log.info("saved step %d: %s, %d B of %d B in %.3f s", step, kind, info.bytes_written,
-                     info.state_bytes, info.seconds)
-        return info
 
     def _global_plan(self, sent: list[tuple[int, str, LocalPlan | None]]) -> GlobalPlan:
         """The coordinator's global plan, reused while every rank's local plan is unchanged."""
 
         def plan_global() -> GlobalPlan | None:
-            for rank, (_, _, plan) in enumerate(sent):
-                if plan is not None:
-                    self._local_plans[rank] = plan
             self.store.storage.point("plan_global", "")
-            steps = {s for s, _, _ in sent}
-            if len(steps) != 1:
-                raise StepExistsError(f"ranks save different steps: {sorted(steps)}")
-            self._check_step(steps.pop())
-            if self._lease is None:
-                self._lease = lease.acquire(self.store, lease.holder_id(), take_over=self._take_over)
-            digests = tuple(d for _, d, _ in sent)
-            if self._plan is not None and self._plan[0] == digests:
-                return None
-            plans = [self._local_plans[r] for r in range(self.world_size)]
-            if len({p.settings for p in plans}) != 1:
-                raise StateError(f"ranks use different chunk sizes: {sorted({p.settings for p in plans})}")
-            return make_global_plan(plans, statetree.merge([p.tree for p in plans]))
+            return self._planner.update(sent, self._admit)
 
-        fresh = self._coll.one("plan_global", plan_global)
-        if fresh is not None:
-            self._plan = (tuple(d for _, d, _ in sent), fresh)
-        return self._plan[1]
+        return self._planner.adopt(sent, self._coll.one("plan_global", plan_global))
 
-    def _check_step(self, step: int) -> None:
-        latest = self.latest_step()
-        if latest is not None and step <= latest:
-            if step in self.steps():
-                raise StepExistsError(f"step {step} is committed already")
-            raise StepExistsError(f"step {step} is not after the latest committed step {latest}")
-
-    def _decide_and_describe(self, step: int, plan: GlobalPlan, scans: list[PartScan],
-                             local: dict[str, Any]) -> tuple[str, str, str, dict[tuple[str, str], int]]:
-        """Coordinator: base or delta, a fresh attempt folder, and every array's metadata (its
-        writes go on beside the chunks' and are waited for at the commit)."""
-        kind, reason, changed = decide(self.policy, self._head, self._chain, plan, scans)
-        attempt = self.store.new_attempt(step)
-        local["docs"] = StepWriter(self.store.storage, f"{STEPS}/{attempt}", self._pool, self._executor)
-        describe(local["docs"], plan, kind, changed, self._sizes)
-        return kind, reason, attempt, changed
-
-    def _commit(self, step: int, kind: str, reason: str, attempt: str, plan: GlobalPlan,
-                changed: dict[tuple[str, str], int],
-                results: list[tuple[dict[tuple[str, str], ChunkMap], dict[str, ChunkMap]]],
-                local: dict[str, Any]) -> Manifest:
-        """Coordinator: the commit record from every rank's files, created only if absent."""
-        docs = local["docs"]
-        try:
-            written = docs.finish()
-        finally:
-            self.store.storage.sync(docs.written)
-        files: dict[tuple[str, str], ChunkMap] = {}
-        packs: dict[str, ChunkMap] = {}
-        for per_rank, rank_packs in [(written, {}), *results]:
-            for where, chunks in per_rank.items():
-                files.setdefault(where, {}).update(chunks)
-            packs.update(rank_packs)
-        manifest = build_manifest(
-            step=step, kind=kind, attempt=attempt, head=self._head, world_size=self.world_size,
-            policy={"name": self.policy.name, "decision": kind, "reason": reason},
-            plan=plan, changed=changed, files=files, packs=packs, sizes=self._sizes,
-        )
-        lease.check(self.store, self._lease)
-        if not self.store.commit(manifest):
-            raise StepExistsError(f"step {step} was committed by another writer meanwhile")
-        return manifest
+    def _admit(self, step: int) -> None:
+        """Coordinator: ``step`` may be saved, and this checkpointer holds the writer lease."""
+        self.store.check_new_step(step)
+        if self._lease is None:
+            self._lease = lease.acquire(self.store, lease.holder_id(), take_over=self._take_over)
 
     # -- load and restore ---------------------------------------------------------------------
 
@@ -381,18 +280,7 @@ class Checkpointer:
             BrokenChainError, IntegrityError, MissingChunkError: the store is damaged.
         """
         chain = self.store.chain(self._resolve(step))
-        m = chain[-1]
-        reader = ChainReader(self.store.storage, chain, self._pool, self._executor)
-        out: dict[str, Any] = {}
-        for key, rec in m.tensors.items():
-            box = Box((0,) * len(rec.shape), rec.shape)
-            if row_shard is not None and rec.shape:
-                box = row_block(rec.shape, *row_shard)
-            t = torch.empty(box.shape, dtype=dtypes.from_name(rec.dtype))
-            reader.read(key, t, box)
-            out[key] = t if row_shard is None or not rec.shape else Shard(
-                t, global_shape=rec.shape, global_offset=box.offset)
-        return statetree.build(m.tree, out)
+        return read_step(self.store.storage, chain, self._pool, self._executor, row_shard=row_shard)
 
     def restore(self, state: Mapping[str, Any], step: int | None = None) -> int:
         """Restores ``step`` (default: the latest) into ``state`` in place, on every rank.
@@ -417,18 +305,16 @@ class Checkpointer:
         """
         chain = self._coll.one("read_chain", lambda: self.store.chain(self._resolve(step)))
         m = chain[-1]
-        plans = {}
 
-        def check() -> set[str]:
-            plans["plan"] = plan_restore(state, m, partial=self.world_size > 1)
-            return plans["plan"].covered
+        def check() -> tuple[set[str], RestorePlan]:
+            plan = plan_restore(state, m, partial=self.world_size > 1)
+            return plan.covered, plan
 
-        covered = set().union(*self._coll.all("restore_plan", check))
-        if covered != set(m.tensors):
-            raise KeyMismatchError(sorted(set(m.tensors) - covered), [])
+        covered, plan = self._coll.each("restore_plan", check)
+        if set().union(*covered) != set(m.tensors):
+            raise KeyMismatchError(sorted(set(m.tensors) - set().union(*covered)), [])
 
         def read() -> None:
-            plan = plans["plan"]
             reader = ChainReader(self.store.storage, chain, self._pool, self._executor)
             fill(plan, m, reader)
             restored = statetree.flatten(state).tensors

@@ -46,13 +46,14 @@ def _print_json(doc: Any) -> None:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     store = _store(args.path)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for step in store.steps():
         try:
             m = store.manifest(step)
         except ManifestError as e:
             rows.append({"step": step, "kind": "corrupt", "error": str(e)})
             continue
+        chain: list[int] | None
         try:  # where a restore starts: the base, or a later one compaction made
             chain = [c.step for c in store.chain(step)]
         except DeltackptError:
@@ -103,7 +104,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             for part in rec.parts:
                 for name, entry in part.chunks.items():
                     where = f"{part.path}/{name}" if part.path else name
-                    packed = f" in {part.pack} at {entry[2]}" if part.pack else ""
+                    packed = f" in {part.pack} at {entry[2]}" if part.pack and len(entry) == 3 else ""
                     print(f"    {where:<36} {entry[0]:>12} xxh3:{entry[1]}{packed}")
     return 0
 

@@ -24,6 +24,7 @@ from .errors import REQUEST_ERRORS, CheckpointAborted
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+K = TypeVar("K")
 
 
 class Collective:
@@ -39,7 +40,7 @@ class Collective:
 
     def __init__(self, process_group: Any = None, *, timeout: datetime.timedelta,
                  coordinator_rank: int = 0):
-        self.group = None
+        self.group: Any = None
         self.rank, self.size = 0, 1
         if process_group is not None or (dist.is_available() and dist.is_initialized()):
             pg = process_group or dist.group.WORLD
@@ -73,9 +74,21 @@ class Collective:
         self._exchange(phase, lambda: dist.all_gather_object(gathered, _portable(outcome), group=self.group))
         return self._results(phase, gathered)
 
+    def each(self, phase: str, fn: Callable[[], tuple[T, K]]) -> tuple[list[T], K]:
+        """Like :meth:`all` for an ``fn`` that returns ``(sent, kept)``: every rank's ``sent``,
+        by rank, and this rank's ``kept`` (which never crosses the wire)."""
+        kept: list[K] = []
+
+        def run() -> T:
+            sent, keep = fn()
+            kept.append(keep)
+            return sent
+
+        return self.all(phase, run), kept[0]
+
     def one(self, phase: str, fn: Callable[[], T]) -> T:
         """Runs ``fn`` on the coordinator only and hands its result (or error) to every rank."""
-        outcome = _run(fn) if self.is_coordinator else (True, None)
+        outcome: tuple[bool, Any] = _run(fn) if self.is_coordinator else (True, None)
         if self.size == 1:
             if not outcome[0]:
                 raise outcome[1]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, MutableMapping
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from .checkpointer import Checkpointer, SaveInfo
 from .errors import HookClosedError, StateError
 from .statetree import is_stateful, key_part
 from .storage import Storage
+from .tracking.rows import TrackHandle
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +88,13 @@ class CheckpointHook:
         self.every = every
         self.state = state
         self._owned = not isinstance(checkpointer, Checkpointer)
-        self.checkpointer = Checkpointer(checkpointer) if self._owned else checkpointer
+        self.checkpointer: Checkpointer = (
+            checkpointer if isinstance(checkpointer, Checkpointer) else Checkpointer(checkpointer))
         self._closed = False
         if model is None and isinstance(state.get("model"), nn.Module):
             model = state["model"]
         self.model = model
-        self._handle = None
+        self._handle: TrackHandle | None = None
         # (flat key, parameter) of parameters whose sparse gradients the forward hooks cannot
         # see; before_optimizer_step marks their rows.
         self._unhooked: list[tuple[str, nn.Parameter]] = []
@@ -110,9 +112,10 @@ class CheckpointHook:
         tables = [m.weight for m in model.modules()
                   if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
         optimizer, optimizer_prefix = _table_optimizer(stateful, tables)
-        self._handle = self.checkpointer.track(model, prefix=prefix, optimizer=optimizer,
-                                               optimizer_prefix=optimizer_prefix)
-        hooked = set(self._handle.keys)
+        handle = self.checkpointer.track(model, prefix=prefix, optimizer=optimizer,
+                                         optimizer_prefix=optimizer_prefix)
+        self._handle = handle
+        hooked = set(handle.keys)
         for name, p in model.named_parameters():
             key = f"{prefix}/{key_part(name)}" if prefix else key_part(name)
             if key not in hooked:
@@ -223,7 +226,7 @@ class CheckpointHook:
         if self._closed:
             raise HookClosedError("the CheckpointHook is closed")
 
-    def __enter__(self) -> CheckpointHook:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -44,7 +44,9 @@ class BasePolicy(Protocol):
     A policy may also have ``differential = True``: its deltas are then relative to the base.
     """
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The policy's name, recorded in each commit record."""
 
     def decide(self, chain: ChainState, delta_bytes: int, full_bytes: int) -> Decision:
         """Args: the chain so far, the bytes the delta would write, the bytes of a full base."""

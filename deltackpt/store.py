@@ -12,7 +12,13 @@ from __future__ import annotations
 import json
 import uuid
 
-from .errors import BrokenChainError, ManifestError, StepNotFoundError, StoreError
+from .errors import (
+    BrokenChainError,
+    ManifestError,
+    StepExistsError,
+    StepNotFoundError,
+    StoreError,
+)
 from .format.layout import BASES, COMMITS, RECORD_NAME, STEPS, base_key, commit_key
 from .format.manifest import FORMAT, Manifest
 from .format.zarr_meta import group_doc
@@ -108,19 +114,22 @@ class Store:
         chain = [self._stand_in(step, step, head.attempt) or head]
         while chain[-1].kind == "delta":
             child = chain[-1]
-            stand_in = self._stand_in(step, child.parent, child.parent_attempt)
+            at = child.parent
+            if at is None:  # the record parser refuses such a record
+                raise ManifestError(f"{commit_key(child.step)}: a delta without a parent")
+            stand_in = self._stand_in(step, at, child.parent_attempt)
             if stand_in is not None:
                 chain.append(stand_in)
                 break
             try:
-                parent = self.manifest(child.parent)
+                parent = self.manifest(at)
             except StepNotFoundError:
-                raise BrokenChainError(step, child.parent, "its commit record is missing") from None
+                raise BrokenChainError(step, at, "its commit record is missing") from None
             except ManifestError as e:
-                raise BrokenChainError(step, child.parent, str(e)) from None
+                raise BrokenChainError(step, at, str(e)) from None
             if parent.attempt != child.parent_attempt:
                 raise BrokenChainError(
-                    step, child.parent, f"step {child.step} was saved on another lineage"
+                    step, at, f"step {child.step} was saved on another lineage"
                 )
             chain.append(parent)
         chain.reverse()
@@ -133,6 +142,14 @@ class Store:
         except ManifestError as e:
             raise BrokenChainError(step, at, str(e)) from None
         return base if base is not None and base.compacts == attempt else None
+
+    def check_new_step(self, step: int) -> None:
+        """Raises StepExistsError unless ``step`` is after every committed step."""
+        steps = self.steps()
+        if steps and step <= steps[-1]:
+            if step in steps:
+                raise StepExistsError(f"step {step} is committed already")
+            raise StepExistsError(f"step {step} is not after the latest committed step {steps[-1]}")
 
     def new_attempt(self, step: int) -> str:
         return f"{step}-{uuid.uuid4().hex[:12]}"

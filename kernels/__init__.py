@@ -34,7 +34,7 @@ def _triton() -> ModuleType | None:
     return triton_kernels
 
 
-def _impl(t: torch.Tensor, backend: str) -> ModuleType:
+def _impl(t: torch.Tensor, backend: str) -> ModuleType | type[_OnHost]:
     if backend == "torch":
         return reference if t.device.type == "cpu" else _OnHost
     if backend == "triton":
@@ -43,8 +43,9 @@ def _impl(t: torch.Tensor, backend: str) -> ModuleType:
             raise RuntimeError("backend='triton' needs the triton package, which is not importable")
         return mod
     if backend == "auto":
-        if t.device.type == "cuda" and _triton() is not None:
-            return _triton()
+        mod = _triton() if t.device.type == "cuda" else None
+        if mod is not None:
+            return mod
         return reference if t.device.type == "cpu" else _OnHost
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 

@@ -266,7 +266,7 @@ def restore_on_ranks(store: str, step: int, world: int, want: Snapshot,
     """Restores ``step`` on ``world`` spawned gloo ranks, each into its row-wise shards, and has
     each rank compare its shards with ``want``; returns each rank's report (``ok``, ``error``)."""
     methods = mp.get_all_start_methods()
-    ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
+    ctx: Any = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
     if "forkserver" in methods:
         ctx.set_forkserver_preload(["torch", "torch.distributed", "deltackpt.examples.demo"])
     with tempfile.TemporaryDirectory(prefix="deltackpt-demo-") as tmp:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +71,7 @@ class DLRMConfig:
             )
 
     @classmethod
-    def for_criteo(cls, config: CriteoConfig, **shapes: object) -> DLRMConfig:
+    def for_criteo(cls, config: CriteoConfig, **shapes: Any) -> DLRMConfig:
         """A config with one table per Criteo feature, sized from ``config.table_sizes``.
 
         Args:
@@ -119,13 +120,15 @@ class DLRM(nn.Module):
             nn.EmbeddingBag(rows, config.embedding_dim, mode="sum", sparse=True)
             for rows in config.table_sizes
         )
-        for bag in self.embeddings:
+        for bag in cast(list[nn.EmbeddingBag], list(self.embeddings)):
             # The reference DLRM's initialisation: uniform in ±sqrt(1 / rows).
             bound = (1.0 / bag.num_embeddings) ** 0.5
             nn.init.uniform_(bag.weight, -bound, bound)
         self.bottom = _mlp((config.num_dense, *config.bottom_mlp), last_relu=True)
         vectors = config.num_tables + 1
         tril = torch.tril_indices(vectors, vectors, offset=-1)
+        self._rows: torch.Tensor
+        self._cols: torch.Tensor
         self.register_buffer("_rows", tril[0], persistent=False)
         self.register_buffer("_cols", tril[1], persistent=False)
         interactions = vectors * (vectors - 1) // 2

@@ -6,7 +6,31 @@ their ids (``rows``) and any other tensor's changed chunks of its flat elements 
 
 from __future__ import annotations
 
+import enum
 import math
+
+
+class Encoding(enum.StrEnum):
+    """How a part's data is stored in a step (the ``encoding`` of its tensor's record)."""
+
+    FULL = "full"
+    ROWS = "rows"
+    CHUNKS = "chunks"
+
+    def __repr__(self) -> str:
+        return repr(self.value)  # shows as the string it equals, in reports and examples
+
+    @classmethod
+    def of(cls, kind: str, shape: tuple[int, ...]) -> Encoding:
+        """How a tensor of ``shape`` is stored in a step of ``kind`` (``"base"`` or ``"delta"``).
+
+        Example:
+            >>> Encoding.of("delta", (100, 8)), Encoding.of("delta", (100,)), Encoding.of("base", ())
+            ('rows', 'chunks', 'full')
+        """
+        if kind == "base":
+            return cls.FULL
+        return cls.ROWS if len(shape) >= 2 else cls.CHUNKS
 
 
 def rows_per_chunk(rows: int, row_bytes: int, chunk_bytes: int) -> int:

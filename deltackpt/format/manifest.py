@@ -136,7 +136,7 @@ class Manifest:
     policy: dict[str, Any]
     tree: dict[str, Any]
     tensors: dict[str, TensorRecord]
-    packs: dict[str, dict[str, tuple[int, str]]]
+    packs: dict[str, ChunkMap]
     bytes_written: int
     state_bytes: int
     compacts: str | None = None
@@ -182,12 +182,16 @@ def _tuple(kinds: type | tuple[type, ...]) -> tuple[type, ...]:
     return kinds if isinstance(kinds, tuple) else (kinds,)
 
 
-def _count(doc: dict[str, Any], name: str, where: str, *, optional: bool = False) -> int | None:
-    if optional and doc.get(name) is None:
+def _optional_count(doc: dict[str, Any], name: str, where: str) -> int | None:
+    if doc.get(name) is None:
         if name not in doc:
             raise ManifestError(f"{where}: field {name!r} is missing")
         return None
-    value = _field(doc, name, int, where)
+    return _count(doc, name, where)
+
+
+def _count(doc: dict[str, Any], name: str, where: str) -> int:
+    value: int = _field(doc, name, int, where)
     if value < 0 or value >= 2**63:
         raise ManifestError(f"{where}: field {name!r} is out of range: {value}")
     return value
@@ -217,7 +221,7 @@ def _parse(doc: Any, where: str) -> Manifest:
         step=_count(doc, "step", where),
         kind=kind,
         attempt=_field(doc, "attempt", str, where),
-        parent=_count(doc, "parent", where, optional=True),
+        parent=_optional_count(doc, "parent", where),
         parent_attempt=_field(doc, "parent_attempt", (str, type(None)), where),
         base=_count(doc, "base", where),
         chain_length=_count(doc, "chain_length", where),
@@ -277,7 +281,7 @@ def _check_tree(node: Any, tensors: dict[str, TensorRecord], where: str, depth: 
         raise ManifestError(f"{where}: unknown node kind {kind!r:.80}")
 
 
-def _parse_tensor(rec: Any, packs: dict[str, dict[str, tuple[int, str]]], where: str) -> TensorRecord:
+def _parse_tensor(rec: Any, packs: dict[str, ChunkMap], where: str) -> TensorRecord:
     if not isinstance(rec, dict):
         raise ManifestError(f"{where}: must be a JSON object")
     shape = _dims(rec, "shape", where)
@@ -311,7 +315,7 @@ def _dims(doc: dict[str, Any], name: str, where: str) -> tuple[int, ...]:
 
 
 def _parse_part(rec: Any, shape: tuple[int, ...], encoding: str,
-                packs: dict[str, dict[str, tuple[int, str]]], where: str) -> PartRecord:
+                packs: dict[str, ChunkMap], where: str) -> PartRecord:
     if not isinstance(rec, dict):
         raise ManifestError(f"{where}: must be a JSON object")
     offset, pshape = _dims(rec, "offset", where), _dims(rec, "shape", where)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
+from functools import partial
 
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ def chunk_path(m: Manifest, key: str, part: PartRecord, name: str) -> str:
     """Where a chunk is: its file, or for a chunk in a pack, its name and place in the pack."""
     path = f"{STEPS}/{m.attempt}/{part_folder(key, part.path)}/{name}"
     entry = part.chunks.get(name)
-    if part.pack is not None and entry is not None:
+    if part.pack is not None and entry is not None and len(entry) == 3:
         return f"{path} (in {part.pack} at byte {entry[2]})"
     return path
 
@@ -68,7 +69,7 @@ def file_size(storage: Storage, step: int, path: str, entry: Entry | None) -> in
 def stored_size(storage: Storage, m: Manifest, key: str, part: PartRecord, name: str) -> int:
     """The recorded size of a chunk, once its file (or the files of its pack) have theirs."""
     entry = part.chunks.get(name)
-    if part.pack is None or entry is None:
+    if part.pack is None or entry is None or len(entry) != 3:
         return file_size(storage, m.step, chunk_path(m, key, part, name), entry)
     folder = f"{STEPS}/{m.attempt}/{part.pack}"
     for file, _, _ in _pack_files(m, part.pack, entry[2], entry[0]):
@@ -86,10 +87,10 @@ def fetch(storage: Storage, m: Manifest, key: str, part: PartRecord, name: str,
         IntegrityError: the file's size or checksum differs from the record.
     """
     entry = part.chunks.get(name)
-    if part.pack is None or entry is None:
+    if part.pack is None or entry is None or len(entry) != 3:
         fetch_file(storage, m.step, chunk_path(m, key, part, name), entry, into)
         return
-    view = memoryview(into.numpy())
+    view = into.numpy().data
     folder = f"{STEPS}/{m.attempt}/{part.pack}"
     done = 0
     for file, within, n in _pack_files(m, part.pack, entry[2], entry[0]):
@@ -109,7 +110,7 @@ def fetch_file(storage: Storage, step: int, path: str, entry: Entry | None, into
     against its record ``entry`` (None: the record lists no such file)."""
     if entry is None:
         raise MissingChunkError(step, path)
-    view = memoryview(into.numpy())
+    view = into.numpy().data
     try:
         got = storage.read_into(path, view)
     except FileNotFoundError:
@@ -194,8 +195,11 @@ class ChainReader:
         dtype = dest.dtype
         if not dest.dim():
             size = dest.element_size()
-            return [lambda: self._staged(m, key, part, "c", dtype, size,
-                                         lambda b: dest.view(1).view(torch.uint8).copy_(b[:size]))]
+
+            def scalar(b: torch.Tensor) -> None:
+                dest.view(1).view(torch.uint8).copy_(b[:size])
+
+            return [partial(self._staged, m, key, part, "c", dtype, size, scalar)]
         prows = part.shape[0]
         cr = part.chunk_shape[0]
         rest = part.shape[1:]
@@ -213,16 +217,16 @@ class ChainReader:
             a, b = max(lo, r0), min(hi, r1)
             name = chunk_key(i, dest.dim())
             d0 = part.offset[0] + a - box.offset[0]
-            if raw and same_cols and (a, b) == (lo, hi) and hi - lo == cr:
+            if raw and same_cols and (a, b) == (lo, hi) and hi - lo == cr and dest_bytes is not None:
                 target = dest_bytes[d0 : d0 + (b - a)].reshape(-1)
-                jobs.append(lambda n=name, t=target: fetch(self._storage, m, key, part, n, t))
+                jobs.append(partial(fetch, self._storage, m, key, part, name, target))
                 continue
 
             def copy(buf: torch.Tensor, lo=lo, a=a, b=b, d0=d0) -> None:
                 rows = buf[: cr * row_bytes].view(dtype).view(cr, *rest)
                 dest[(slice(d0, d0 + b - a), *dst_cols)] = rows[(slice(a - lo, b - lo), *src_cols)]
 
-            jobs.append(lambda n=name, c=copy: self._staged(m, key, part, n, dtype, cr * row_bytes, c))
+            jobs.append(partial(self._staged, m, key, part, name, dtype, cr * row_bytes, copy))
         return jobs
 
     def _rows(self, m: Manifest, key: str, rec: TensorRecord, part: PartRecord, inter: Box,
@@ -247,8 +251,8 @@ class ChainReader:
                 rows = buf[: cr * row_bytes].view(dest.dtype).view(cr, *rest)
                 dest[(local, *dst_cols)] = rows[(slice(a - lo, b - lo), *src_cols)]
 
-            jobs.append(lambda j=j, c=copy: self._staged(
-                m, key, part, f"rows/{chunk_key(j, dest.dim())}", dest.dtype, cr * row_bytes, c))
+            jobs.append(partial(self._staged, m, key, part, f"rows/{chunk_key(j, dest.dim())}",
+                                dest.dtype, cr * row_bytes, copy))
         return jobs
 
     def _read_ids(self, m: Manifest, key: str, part: PartRecord) -> torch.Tensor:
@@ -257,8 +261,11 @@ class ChainReader:
         pieces: list[torch.Tensor] = []
         for i in range(-(-n // cr)):
             count = min(n, (i + 1) * cr) - i * cr
-            self._staged(m, key, part, f"ids/{chunk_key(i, 1)}", torch.int64, cr * 8,
-                         lambda b, c=count: pieces.append(b.view(torch.int64)[:c].clone()))
+
+            def take(b: torch.Tensor, c: int = count) -> None:
+                pieces.append(b.view(torch.int64)[:c].clone())
+
+            self._staged(m, key, part, f"ids/{chunk_key(i, 1)}", torch.int64, cr * 8, take)
         ids = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
         bad = (ids < part.offset[0]) | (ids >= part.offset[0] + part.shape[0])
         bad[1:] |= ids[1:] <= ids[:-1]
@@ -290,9 +297,13 @@ class ChainReader:
             d = (pstart + a - dstart) * itemsize
             target = flat[d : d + (b - a) * itemsize]
             if raw and (a, b) == (lo, hi) and hi - lo == ce:
-                jobs.append(lambda n=name, t=target: fetch(self._storage, m, key, part, n, t))
+                jobs.append(partial(fetch, self._storage, m, key, part, name, target))
             else:
-                off = (a - lo) * itemsize
-                jobs.append(lambda n=name, t=target, off=off: self._staged(
-                    m, key, part, n, dest.dtype, ce * itemsize, lambda buf: t.copy_(buf[off : off + t.numel()])))
+                jobs.append(partial(self._staged, m, key, part, name, dest.dtype, ce * itemsize,
+                                    partial(_copy_at, target, (a - lo) * itemsize)))
         return jobs
+
+
+def _copy_at(target: torch.Tensor, offset: int, buf: torch.Tensor) -> None:
+    """Copies the bytes of ``buf`` from ``offset`` on into ``target``."""
+    target.copy_(buf[offset : offset + target.numel()])

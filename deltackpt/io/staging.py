@@ -40,7 +40,7 @@ class StagingPool:
         with self._lock:
             if nbytes > self._zeros.numel():
                 self._zeros = torch.zeros(max(nbytes, self.nbytes), dtype=torch.uint8)
-            return memoryview(self._zeros.numpy())[:nbytes]
+            return self._zeros.numpy().data[:nbytes]
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of exactly ``nbytes``; blocks while all buffers are in use.

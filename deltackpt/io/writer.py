@@ -22,12 +22,13 @@ import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future
+from functools import partial
 
 import numpy as np
 import torch
 import xxhash
 
-from .. import kernels
+from .. import kernels  # type: ignore[attr-defined]  # installed from kernels/, see pyproject
 from ..format.layout import chunk_key, part_folder
 from ..format.manifest import ChunkMap
 from ..format.zarr_meta import array_doc, codec_for, group_doc
@@ -37,7 +38,7 @@ from .staging import StagingPool
 
 def as_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 class StepWriter:
@@ -139,7 +140,7 @@ class StepWriter:
             if hash_into is not None:
                 hash_into[lo:hi] = kernels.hash_rows(out)
             self._put(key, path, f"rows/{chunk_key(i, t.dim())}", out, pad_rows * row_bytes, t.dtype,
-                      release=lambda b=buf: self._pool.release(b))
+                      release=partial(self._pool.release, buf))
 
     def chunks(self, key: str, path: str, t: torch.Tensor, chunk_ids: list[int], chunk_elems: int,
                hash_into: torch.Tensor | None = None) -> None:
@@ -198,7 +199,11 @@ class StepWriter:
             host = self._pool.acquire(data.numel() * data.element_size())
             host.view(data.dtype).view(data.shape).copy_(data)
             data, inner = host, release
-            release = lambda: (self._pool.release(host), inner())  # noqa: E731
+
+            def release() -> None:
+                self._pool.release(host)
+                inner()
+
         zeros = self._pool.zeros(pad)
         codec = codec_for(dtype)
 
@@ -347,7 +352,7 @@ class _Stream:
 
     def blocks(self) -> Iterator[memoryview]:
         """The file's bytes, as they become ready (runs on the I/O thread)."""
-        whole = memoryview(self._buf.numpy())
+        whole = self._buf.numpy().data
         at = 0
         while (upto := self._ready.get()) is not None:
             yield whole[at:upto]

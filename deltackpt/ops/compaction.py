@@ -20,6 +20,7 @@ import math
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -119,7 +120,7 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
             reader.read(key, block, box)
             cs = _chunks(rec, sizes)
             writer.full(key, "", block, cs, first_chunk=lo // cs[0] if cs else 0,
-                        release=lambda b=buf: blocks.release(b))
+                        release=partial(blocks.release, buf))
         try:
             return writer.finish()
         finally:
@@ -143,7 +144,7 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
             policy={"name": "compaction", "decision": "base",
                     "reason": f"compacted a chain of {len(work.chain)} records"},
             tree=m.tree, tensors=tensors, packs={},
-            bytes_written=sum(size for chunks in files.values() for size, _ in chunks.values()),
+            bytes_written=sum(entry[0] for chunks in files.values() for entry in chunks.values()),
             state_bytes=m.state_bytes, compacts=m.attempt,
         )
         store.storage.point("compact_commit", "")

@@ -65,7 +65,9 @@ def acquire(store: Store, holder: str, *, take_over: bool) -> Lease:
     if current is not None:
         store.storage.delete(LEASE)
     if not store.storage.put_if_absent(LEASE, json.dumps(asdict(lease)).encode()):
-        raise WriterConflictError(f"another writer took {store.storage.url}: {read(store).describe()}")
+        winner = read(store)
+        raise WriterConflictError(f"another writer took {store.storage.url}: "
+                                  f"{winner.describe() if winner else 'its lease is gone again'}")
     return lease
 
 

@@ -116,8 +116,8 @@ def _check_step(store: Store, m: Manifest, pool: StagingPool, executor: Executor
                          partial(fetch_file, storage, m.step, path, entry)))
     for key, rec in m.tensors.items():
         for part in rec.parts:
-            for name, entry in part.chunks.items():
-                jobs.append((entry[0], partial(stored_size, storage, m, key, part, name),
+            for name, chunk in part.chunks.items():
+                jobs.append((chunk[0], partial(stored_size, storage, m, key, part, name),
                              partial(fetch, storage, m, key, part, name)))
     futures = []
     for size, sizer, read in jobs:

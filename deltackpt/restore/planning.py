@@ -81,9 +81,9 @@ def _walk(live: Any, node: dict[str, Any], path: str, m: Manifest, plan: Restore
             raise StateError(f"{where}: the target is a tensor, the checkpoint holds a {kind}")
         rec = m.tensors[body]
         shard = as_shard(live, where)
-        saved = dtypes.from_name(rec.dtype)
-        if shard.local.dtype != saved:
-            raise DtypeMismatchError(f"{where}: target dtype {shard.local.dtype} != saved {saved}")
+        saved_dtype = dtypes.from_name(rec.dtype)
+        if shard.local.dtype != saved_dtype:
+            raise DtypeMismatchError(f"{where}: target dtype {shard.local.dtype} != saved {saved_dtype}")
         if shard.global_shape != rec.shape:
             what = "global shape" if isinstance(live, Shard) or is_dtensor(live) else "shape"
             raise ShapeMismatchError(f"{where}: target {what} {shard.global_shape} != saved {rec.shape}")

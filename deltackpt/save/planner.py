@@ -15,9 +15,11 @@ from __future__ import annotations
 import hashlib
 import math
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import StateError
+from .. import statetree
+from ..errors import StateError, StepExistsError
 from ..sharding import Box, check_tiling
 
 
@@ -111,8 +113,54 @@ def make_global_plan(local_plans: list[LocalPlan], tree: dict) -> GlobalPlan:
         writers[(key, box)] = w
     tensors = {}
     for key in sorted(holders):
-        boxes = sorted(holders[key], key=lambda b: b.offset)
-        whole = len(boxes) == 1
-        parts = tuple(PartPlan(b, writers[(key, b)], "" if whole else f"p{i}") for i, b in enumerate(boxes))
+        ordered = sorted(holders[key], key=lambda b: b.offset)
+        whole = len(ordered) == 1
+        parts = tuple(PartPlan(b, writers[(key, b)], "" if whole else f"p{i}") for i, b in enumerate(ordered))
         tensors[key] = TensorPlan(key, meta[key].dtype, meta[key].global_shape, parts)
     return GlobalPlan(tensors, tree)
+
+
+class GlobalPlanner:
+    """The global plan of successive saves: ranks send their local plan only when it changed, and
+    the plan is made again only then.
+
+    Args:
+        world_size: how many ranks save.
+    """
+
+    def __init__(self, world_size: int):
+        self._world_size = world_size
+        self._local_plans: dict[int, LocalPlan] = {}  # coordinator: the ranks' last local plans
+        self._plan: tuple[tuple[str, ...], GlobalPlan] | None = None  # digests -> cached plan
+
+    def update(self, sent: list[tuple[int, str, LocalPlan | None]],
+               admit: Callable[[int], None]) -> GlobalPlan | None:
+        """Coordinator: a new global plan from what every rank sent ``(step, digest, plan or
+        None)``, or None when the last one still holds. ``admit(step)`` checks the step first.
+
+        Raises:
+            StepExistsError: the ranks save different steps.
+            StateError: the ranks use different chunk sizes, or their parts do not tile.
+        """
+        for rank, (_, _, plan) in enumerate(sent):
+            if plan is not None:
+                self._local_plans[rank] = plan
+        steps = {s for s, _, _ in sent}
+        if len(steps) != 1:
+            raise StepExistsError(f"ranks save different steps: {sorted(steps)}")
+        admit(steps.pop())
+        digests = tuple(d for _, d, _ in sent)
+        if self._plan is not None and self._plan[0] == digests:
+            return None
+        plans = [self._local_plans[r] for r in range(self._world_size)]
+        if len({p.settings for p in plans}) != 1:
+            raise StateError(f"ranks use different chunk sizes: {sorted({p.settings for p in plans})}")
+        return make_global_plan(plans, statetree.merge([p.tree for p in plans]))
+
+    def adopt(self, sent: list[tuple[int, str, LocalPlan | None]], fresh: GlobalPlan | None) -> GlobalPlan:
+        """Every rank: the plan in force after :meth:`update` returned ``fresh``."""
+        if fresh is not None:
+            self._plan = (tuple(d for _, d, _ in sent), fresh)
+        if self._plan is None:
+            raise StateError("no global plan: the coordinator sent none for a first save")
+        return self._plan[1]

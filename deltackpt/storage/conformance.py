@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ..errors import StoreError
-from .base import Storage
+from .base import PointHook, Storage
 
 
 class StorageConformance:
@@ -145,7 +145,7 @@ class InjectedFault(Exception):
     """Raised by a test's durability-point hook."""
 
 
-def _fail_at(n: int):  # type: ignore[no-untyped-def]
+def _fail_at(n: int) -> PointHook:
     seen = [0]
 
     def hook(phase: str, key: str) -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import kernels
+from .. import kernels  # type: ignore[attr-defined]  # installed from kernels/, see pyproject
 from .marks import TableMode, TrackedTable
 from .rows import RowTracker, TrackedGroup
 
@@ -131,13 +131,14 @@ class ChangeTracker:
         refs = {}
         for key, t in tensors.items():
             ch = changes[key]
-            if ch.partial:
+            if ch.partial and ch.changed is not None:
                 ref = self._refs[key]
                 hashes = ch.hashes if ch.hashes is not None else self._hash_units(t, ch.changed)
                 ref.hashes[ch.changed] = hashes
                 refs[key] = ref
             else:
-                refs[key] = _Reference(t.dtype, tuple(t.shape), ch.hashes)
+                refs[key] = _Reference(t.dtype, tuple(t.shape),
+                                       ch.hashes if ch.hashes is not None else self.hash(t))
         self._refs = refs
         for table in self._scanned:
             if table.mode is TableMode.STARTING:

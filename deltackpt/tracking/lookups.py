@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ def collection_type() -> type | None:
     return getattr(mod, "EmbeddingBagCollectionInterface", None)
 
 
-def collection_tables(ebc: nn.Module) -> Iterator[tuple[torch.Tensor, str, list[str]]]:
+def collection_tables(ebc: Any) -> Iterator[tuple[torch.Tensor, str, list[str]]]:
     """(weight, parameter name under ``ebc``, feature names) of each table of a collection."""
     for cfg in ebc.embedding_bag_configs():
         yield (ebc.embedding_bags[cfg.name].weight, f"embedding_bags.{cfg.name}.weight",
@@ -54,7 +54,7 @@ def lookup_hook(table: Marker) -> Hook:
     """A forward hook for an ``nn.Embedding`` or ``nn.EmbeddingBag`` that marks its input ids."""
 
     def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        table.mark(args[0] if args else kwargs["input"], mod.weight)
+        table.mark(args[0] if args else kwargs["input"], cast(torch.Tensor, mod.weight))
 
     return hook
 

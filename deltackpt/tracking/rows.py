@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
@@ -150,7 +151,7 @@ class RowTracker:
                     t = table(weight, _dotted(mod_name, name))
                     keys.extend(t.keys)
                     by_feature.update(dict.fromkeys(features, t))
-                hooks.append(self._hook(mod, lookups.collection_hook(by_feature)))
+                hooks.append(self._hook(cast(nn.Module, mod), lookups.collection_hook(by_feature)))
             elif isinstance(mod, (nn.Embedding, nn.EmbeddingBag)):
                 t = table(mod.weight, _dotted(mod_name, "weight"))
                 keys.extend(t.keys)

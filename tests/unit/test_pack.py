@@ -11,7 +11,7 @@ import torch
 import zarr
 
 from deltackpt import Checkpointer, StoreError
-from deltackpt.save import phases
+from deltackpt.save import stage
 
 
 def test_chunks_spanning_pack_files_restore_bit_exactly(store_path):
@@ -40,7 +40,7 @@ def test_chunks_spanning_pack_files_restore_bit_exactly(store_path):
 
 def test_a_save_failing_while_packing_gives_its_buffers_back(store_path, monkeypatch):
     table = torch.zeros(1000, 8)
-    real = phases.write_part
+    real = stage.stage_part
     calls = []
 
     def failing(*args, **kwargs):
@@ -57,7 +57,7 @@ def test_a_save_failing_while_packing_gives_its_buffers_back(store_path, monkeyp
 
     def saves() -> None:
         with monkeypatch.context() as patch:
-            patch.setattr("deltackpt.checkpointer.write_part", failing)
+            patch.setattr("deltackpt.save.stage.stage_part", failing)
             for step in (1, 2, 3):
                 table[step] += 1
                 try:

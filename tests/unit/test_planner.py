@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-import deltackpt.checkpointer as checkpointer_module
+import deltackpt.save.planner as planner_module
 from deltackpt import Checkpointer, StateError
-from deltackpt.save.planner import ItemInfo, LocalPlan, check_tiling, make_global_plan
-from deltackpt.sharding import Box
+from deltackpt.save.planner import ItemInfo, LocalPlan, make_global_plan
+from deltackpt.sharding import Box, check_tiling
 
 TREE = {"dict": []}
 
@@ -81,8 +81,8 @@ def test_hundred_thousand_ranges_plan_and_validate():
 
 def test_the_global_plan_is_cached_while_the_layout_holds(store_path, monkeypatch):
     calls = []
-    real = checkpointer_module.make_global_plan
-    monkeypatch.setattr(checkpointer_module, "make_global_plan",
+    real = planner_module.make_global_plan
+    monkeypatch.setattr(planner_module, "make_global_plan",
                         lambda *a: calls.append(1) or real(*a))
     w = torch.zeros(10, 4)
     with Checkpointer(store_path) as ckpt:

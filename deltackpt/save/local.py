@@ -1,0 +1,39 @@
+"""The first phase of a save, on every rank: flatten the state and describe what the rank holds."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .. import statetree
+from ..errors import StepExistsError
+from ..format import dtypes
+from ..sharding import Shard
+from .planner import GlobalPlan, ItemInfo, LocalPlan
+from .types import LocalState, WriteItem
+
+
+def plan_local(step: int, state: Mapping[str, Any], rank: int, sizes: tuple[int, int]) -> LocalState:
+    """Flattens ``state`` and lists its tensors' boxes.
+
+    Raises:
+        StepExistsError: ``step`` is not a non-negative int.
+        StateError: ``state`` holds something that cannot be saved.
+    """
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise StepExistsError(f"step must be a non-negative int, got {step!r}")
+    flat = statetree.flatten(state)
+    shards = {k: s if s.local.is_contiguous() else
+              Shard(s.local.contiguous(), global_shape=s.global_shape, global_offset=s.global_offset)
+              for k, s in flat.tensors.items()}
+    items = tuple(
+        ItemInfo(k, dtypes.name(s.local.dtype), s.global_shape, s.box, s.local.element_size())
+        for k, s in sorted(shards.items())
+    )
+    plan = LocalPlan(rank, items, flat.tree, sizes)
+    return LocalState(step, shards, plan, plan.digest())
+
+
+def write_items(plan: GlobalPlan, rank: int, local: LocalState) -> tuple[WriteItem, ...]:
+    """The parts ``rank`` writes, with its tensors that hold them."""
+    return tuple(WriteItem(tp.key, part, local.shards[tp.key].local) for tp, part in plan.owned(rank))

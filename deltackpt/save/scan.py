@@ -1,0 +1,49 @@
+"""The scan phase of a save, on every rank: what changed in the parts the rank writes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..tracking.changes import ChangeTracker, TensorChange, is_row_sparse
+from .types import WriteItem
+
+
+@dataclass(frozen=True)
+class PartScan:
+    """What changed in one part, as the rank that writes it found.
+
+    Attributes:
+        key: the tensor.
+        path: the part.
+        complete: False when there is nothing to compare with: the part must be written whole.
+        changed: rows (row-sparse tensors) or chunks (dense ones) changed.
+        delta_bytes: what a delta of them writes, about.
+    """
+
+    key: str
+    path: str
+    complete: bool
+    changed: int
+    delta_bytes: int
+
+
+def summarize(key: str, path: str, t: torch.Tensor, change: TensorChange, chunk_elems: int) -> PartScan:
+    if change.changed is None:
+        return PartScan(key, path, False, 0, 0)
+    n = change.changed.numel()
+    if is_row_sparse(t):
+        return PartScan(key, path, True, n, n * (t[0].numel() * t.element_size() + 8))
+    return PartScan(key, path, True, n, n * chunk_elems * t.element_size())
+
+
+def scan(tracker: ChangeTracker, items: tuple[WriteItem, ...]
+         ) -> tuple[list[PartScan], Mapping[str, TensorChange]]:
+    """The change set of every item's tensor, and its summary for the coordinator."""
+    tensors = {it.key: it.tensor for it in items}
+    changes = tracker.scan(tensors)
+    scans = [summarize(it.key, it.part.path, it.tensor, changes[it.key], tracker.chunk_elems(it.tensor))
+             for it in items]
+    return scans, changes

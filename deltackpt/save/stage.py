@@ -1,0 +1,134 @@
+"""The stage and write phases of a save, on every rank.
+
+``stage`` copies everything the rank's part of the step writes out of the live tensors into
+buffers of the staging pool, queuing each buffer's write as it fills: a base's tensors chunk by
+chunk, a delta's changed rows and chunks into the rank's pack. The pool bounds the memory this
+adds: once every buffer is taken, staging waits for a write to give one back, so copying the next
+chunk overlaps writing the last. After ``stage`` returns, nothing reads the live tensors: training
+may change them while ``write`` waits for the queued writes and makes them durable.
+
+The coordinator also writes every array's zarr metadata (``describe``), beside the chunks.
+``sizes`` is ``(chunk_bytes, dense_chunk_bytes)``, the same on every rank (the planner checks),
+so the coordinator and the rank that writes a part's chunks agree on the chunk grid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from concurrent.futures import Executor
+from dataclasses import replace
+from functools import partial
+
+import torch
+
+from ..format import dtypes
+from ..format.encodings import Encoding, chunk_shape
+from ..format.layout import STEPS, pack_name, part_folder
+from ..format.manifest import ChunkMap
+from ..io.staging import StagingPool
+from ..io.writer import StepWriter
+from ..storage import Storage
+from ..tracking.changes import TensorChange
+from .decide import itemsize
+from .types import Kind, SavePlan, WriteItem, WriteResult
+
+
+def describe(writer: StepWriter, save: SavePlan, sizes: tuple[int, int]) -> None:
+    """Coordinator: queues the zarr metadata of every array and group of the step (of a base;
+    a delta's chunks go into packs, which their writers describe)."""
+    folders = {""}
+    if save.kind == Kind.BASE:
+        for t in save.plan.tensors.values():
+            for p in t.parts:
+                cs = chunk_shape(Encoding.FULL, p.box.shape, itemsize(t.dtype),
+                                 save.changed[(t.key, p.path)], *sizes)
+                writer.array(t.key, p.path, p.box.shape, cs, dtypes.from_name(t.dtype))
+                names = part_folder(t.key, p.path).split("/")
+                folders.update("/".join(names[:i]) for i in range(1, len(names)))
+    writer.groups(sorted(folders))
+
+
+def stage_part(writer: StepWriter, pool: StagingPool, kind: Kind, item: WriteItem,
+               change: TensorChange, n: int, sizes: tuple[int, int]) -> TensorChange:
+    """Copies what the step writes of one part into staging buffers and queues their writes.
+    Returns ``change``, with the hashes of what a delta wrote filled in where the change set left
+    them to the save."""
+    t, part = item.tensor, item.part
+    enc = Encoding.of(kind, tuple(t.shape))
+    cs = chunk_shape(enc, part.box.shape, t.element_size(), n, *sizes)
+    if enc == Encoding.FULL:
+        _stage_whole(writer, pool, item.key, part.path, t, cs)
+        return change
+    assert change.changed is not None  # a delta has a change set for every part
+    hashes = torch.empty(n, dtype=torch.int64) if change.partial and change.hashes is None else None
+    if enc == Encoding.ROWS:
+        writer.rows(item.key, part.path, t, change.changed, part.box.offset[0], cs[0], hash_into=hashes)
+    else:
+        writer.chunks(item.key, part.path, t, change.changed.tolist(), cs[0], hash_into=hashes)
+    return change if hashes is None else replace(change, hashes=hashes)
+
+
+def _stage_whole(writer: StepWriter, pool: StagingPool, key: str, path: str, t: torch.Tensor,
+                 chunks: tuple[int, ...]) -> None:
+    """Copies ``t`` chunk by chunk into staging buffers, each written and given back on its own."""
+    rows = t.shape[0] if t.dim() else 1
+    flat = t.reshape(rows, -1)
+    per_row = flat.shape[1]
+    cr = chunks[0] if chunks else 1
+    for i in range(-(-rows // cr) if t.numel() else 0):
+        lo, hi = i * cr, min(rows, (i + 1) * cr)
+        buf = pool.acquire((hi - lo) * per_row * t.element_size())
+        try:
+            staged = buf.view(t.dtype).view(hi - lo, per_row)
+            staged.copy_(flat[lo:hi])
+        except BaseException:
+            pool.release(buf)
+            raise
+        writer.full(key, path, staged.view((hi - lo, *t.shape[1:]) if t.dim() else ()), chunks,
+                    first_chunk=i, release=partial(pool.release, buf))
+
+
+def open_writer(storage: Storage, save: SavePlan, rank: int, pool: StagingPool,
+                executor: Executor) -> StepWriter:
+    """The writer of ``rank``'s chunks of the step (into its pack, for a delta)."""
+    return StepWriter(storage, f"{STEPS}/{save.attempt}", pool, executor,
+                      pack=pack_name(rank) if save.kind == Kind.DELTA else None)
+
+
+def stage(writers: list[StepWriter], pool: StagingPool, save: SavePlan, items: tuple[WriteItem, ...],
+          changes: Mapping[str, TensorChange], sizes: tuple[int, int], *,
+          coordinator: bool) -> dict[str, TensorChange]:
+    """Stages every item into ``writers[0]``, and on the coordinator the step's metadata into
+    ``writers[1]``; returns the items' change sets, hashes filled in. On failure every queued
+    write ends and every buffer goes back before the error propagates."""
+    try:
+        if coordinator:
+            describe(writers[1], save, sizes)
+        return {it.key: stage_part(writers[0], pool, save.kind, it, changes[it.key],
+                                   save.changed[(it.key, it.part.path)], sizes) for it in items}
+    except BaseException:
+        for w in writers:
+            w.abandon()
+        raise
+
+
+def write(storage: Storage, writers: list[StepWriter]) -> WriteResult:
+    """Waits for every staged write and makes the files durable.
+
+    Raises:
+        StoreError: a write failed (after every write ended).
+    """
+    files: dict[tuple[str, str], ChunkMap] = {}
+    packs: dict[str, ChunkMap] = {}
+    error: BaseException | None = None
+    for w in writers:
+        try:
+            for where, chunks in w.finish().items():
+                files.setdefault(where, {}).update(chunks)
+            packs.update(w.packs)
+        except BaseException as e:  # noqa: BLE001 - every writer must end before raising
+            error = error or e
+    storage.sync([k for w in writers for k in w.written])
+    if error is not None:
+        raise error
+    return WriteResult(files, packs)

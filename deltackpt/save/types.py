@@ -1,0 +1,107 @@
+"""The frozen values a save passes from phase to phase.
+
+``plan_local`` makes a :class:`LocalState`; the global plan gives each rank its
+:class:`WriteItem` s; ``scan`` finds what changed in them; ``decide`` makes the :class:`SavePlan`;
+``stage`` and ``write`` turn it into a :class:`WriteResult` per rank; ``commit`` makes the record.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..format.manifest import ChunkMap
+from ..sharding import Shard
+from .planner import GlobalPlan, LocalPlan, PartPlan
+
+
+class Kind(enum.StrEnum):
+    """What a step stores: every tensor whole, or what changed since its parent."""
+
+    BASE = "base"
+    DELTA = "delta"
+
+    def __repr__(self) -> str:
+        return repr(self.value)  # shows as the string it equals, in reports and examples
+
+
+@dataclass(frozen=True)
+class LocalState:
+    """One rank's flattened state for one save.
+
+    Attributes:
+        step: the step being saved.
+        shards: every tensor by flat key, contiguous.
+        plan: what the rank holds, for the coordinator.
+        digest: the plan's digest (the coordinator caches the global plan while none changes).
+    """
+
+    step: int
+    shards: Mapping[str, Shard]
+    plan: LocalPlan
+    digest: str
+
+
+@dataclass(frozen=True)
+class WriteItem:
+    """A part this rank writes, with the live tensor that holds it (read only by ``scan`` and
+    ``stage``)."""
+
+    key: str
+    part: PartPlan
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """What the save writes, decided by the coordinator and the same on every rank.
+
+    Attributes:
+        step: the step.
+        kind: base or delta.
+        reason: why the policy chose ``kind``.
+        attempt: the folder the step's files go into (``steps/ATTEMPT``).
+        plan: every tensor's parts and their writers.
+        changed: rows or chunks each part holds, by (tensor key, part path).
+    """
+
+    step: int
+    kind: Kind
+    reason: str
+    attempt: str
+    plan: GlobalPlan
+    changed: Mapping[tuple[str, str], int]
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    """What one rank wrote: the chunks of each part it wrote, and its pack's files."""
+
+    files: Mapping[tuple[str, str], ChunkMap]
+    packs: Mapping[str, ChunkMap]
+
+
+@dataclass(frozen=True)
+class SaveInfo:
+    """What one save did (over all ranks).
+
+    Attributes:
+        step: the step saved.
+        kind: ``"base"`` or ``"delta"``.
+        bytes_written: bytes of every file written.
+        state_bytes: bytes of every tensor of the state (what a full checkpoint writes).
+        rows_changed: rows written for row-sparse tensors (all rows, for a base).
+        seconds: wall time of the save on this rank.
+        reason: why the policy chose this kind.
+    """
+
+    step: int
+    kind: Kind
+    bytes_written: int
+    state_bytes: int
+    rows_changed: int
+    seconds: float
+    reason: str

@@ -1,0 +1,53 @@
+"""Store: the committed steps of a store, their records, chains, and the create-only commit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltackpt import Checkpointer, MemoryStorage, StepExistsError, StepNotFoundError, StoreError
+from deltackpt.errors import BrokenChainError
+from deltackpt.format.layout import commit_key
+from deltackpt.store import Store
+
+
+def saved(steps: list[int]) -> MemoryStorage:
+    storage = MemoryStorage()
+    t = torch.zeros(50, 4)
+    with Checkpointer(storage, base_every=3) as ckpt:
+        for s in steps:
+            t[s % 50] += 1
+            ckpt.save(s, {"t": t})
+    return storage
+
+
+def test_steps_chains_and_records():
+    storage = saved([1, 2, 3, 4, 5])
+    store = Store(storage)
+    store.check_exists()
+    storage.put_if_absent("commits/.00000000000000000009.json.x.tmp", b"junk")  # a temp file
+    assert store.steps() == [1, 2, 3, 4, 5]
+    assert [m.step for m in store.chain(5)] == [4, 5]  # a base every three saves
+    assert [m.kind for m in store.chain(3)] == ["base", "delta", "delta"]
+    with pytest.raises(StepNotFoundError):
+        store.manifest(6)
+    m = store.manifest(5)
+    assert not store.commit(m)  # create-only: a second commit of a step is refused
+
+
+def test_new_steps_must_come_after_the_latest():
+    store = Store(saved([1, 2]))
+    store.check_new_step(3)
+    with pytest.raises(StepExistsError, match="committed already"):
+        store.check_new_step(2)
+    with pytest.raises(StepExistsError, match="not after the latest committed step 2"):
+        store.check_new_step(0)
+
+
+def test_a_missing_parent_breaks_the_chain_and_a_missing_root_is_no_store():
+    storage = saved([1, 2, 3])
+    storage.delete(commit_key(2))
+    with pytest.raises(BrokenChainError, match="step 2"):
+        Store(storage).chain(3)
+    with pytest.raises(StoreError, match="no deltackpt store"):
+        Store(MemoryStorage()).check_exists()
