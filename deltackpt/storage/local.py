@@ -1,9 +1,17 @@
 """A store in a local directory.
 
-Data files are made durable in bulk: on Linux :meth:`LocalStorage.sync` is one ``syncfs`` of the
-store's file system, measured here 24-47x faster than an ``fsync`` per file and per folder for a
-delta of a hundred small tensors; elsewhere each file is ``fsync``-ed as it is written and each
-folder at ``sync``.
+Durability covers exactly what a save wrote, never the whole file system: each file is
+``fsync``-ed by the thread that wrote it, right after its last byte (so the files' flushes overlap
+each other and the writes still running), and :meth:`LocalStorage.sync` ``fsync``-s the folders
+holding them, plus the parent of each folder this storage created, whose new name must last too.
+A ``syncfs`` would be cheaper when nothing else writes (one flush instead of one per file), but it
+waits for every other process's unsynced data on the same file system: a 1% delta took 0.83 s
+instead of 0.059 s after another process had written 1.5 GB. Measured here side by side (the
+machine shared by other jobs, so figures moved a lot between runs), for 200 files of 64 KiB:
+``syncfs`` 0.14-0.7 s, one ``fsync`` per file at the end 1.1-1.4 s, ``sync_file_range`` at the
+write then ``fsync`` at the end 1.1-1.7 s, the same ``fsync`` s spread over two threads 0.34-0.97 s,
+``fsync`` by the writing thread 0.32-0.81 s; the last is the cheapest way that touches only the
+save's own files.
 
 Large aligned writes bypass the page cache (``O_DIRECT``): the whole 4 KiB blocks of a part whose
 memory starts on a block boundary, written at a block-aligned offset, go straight to the disk; the
@@ -16,15 +24,14 @@ system that refuses ``O_DIRECT`` gets buffered writes.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import logging
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Iterable
-from typing import Any
 
 import numpy as np
 
@@ -34,7 +41,7 @@ from .base import Capabilities, PointHook
 log = logging.getLogger(__name__)
 
 BLOCK = 4096  # the alignment O_DIRECT needs, of memory, file offset and length
-DIRECT_MIN = 1 << 20  # smaller writes go through the page cache: the syncfs that follows is cheap
+DIRECT_MIN = 1 << 20  # smaller writes go through the page cache, where their fsync is cheap
 
 
 class LocalStorage:
@@ -57,7 +64,8 @@ class LocalStorage:
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
         self.on_point = on_point
-        self._syncfs = _libc_syncfs()
+        self._fresh: set[str] = set()  # folders this storage created whose names are not durable yet
+        self._lock = threading.Lock()
         self._direct = getattr(os, "O_DIRECT", 0)  # 0 once the file system refuses it
 
     def point(self, phase: str, key: str) -> None:
@@ -71,7 +79,7 @@ class LocalStorage:
         path = self._path(key)
         self.point("write_chunk", key)
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self._makedirs(os.path.dirname(path))
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 at = 0
@@ -83,9 +91,8 @@ class LocalStorage:
                         at, data = at + n, data[n:]
                     _write_all(fd, data)
                     at += len(data)
-                if self._syncfs is None:
-                    self.point("fsync", key)
-                    os.fsync(fd)
+                self.point("fsync", key)
+                os.fsync(fd)
             finally:
                 os.close(fd)
         except OSError as e:
@@ -112,45 +119,46 @@ class LocalStorage:
             fcntl.fcntl(fd, fcntl.F_SETFL, flags)
         return len(data)
 
+    def _makedirs(self, folder: str) -> None:
+        """Creates ``folder`` and its missing parents, noting each one created here."""
+        missing = []
+        while not os.path.isdir(folder):
+            missing.append(folder)
+            folder = os.path.dirname(folder)
+        for d in reversed(missing):
+            try:
+                os.mkdir(d)
+            except FileExistsError:
+                continue  # another thread or process made it, and makes its name durable
+            with self._lock:
+                self._fresh.add(d)
+
     def sync(self, keys: Iterable[str]) -> None:
-        keys = list(keys)
-        if self._syncfs is not None:
-            if keys:
-                self._sync_fs(self._syncfs)
-            return
-        dirs = {os.path.dirname(self._path(k)) for k in keys}
-        # Parents first, up to the root: a new folder's own name must be durable too.
-        todo = set()
-        for d in dirs:
-            while len(d) >= len(self.root):
-                todo.add(d)
-                d = os.path.dirname(d)
-        for d in sorted(todo, key=len, reverse=True):
-            if os.path.isdir(d):  # a folder that holds nothing yet has nothing to make durable
-                self.point("fsync_dir", d)
-                _fsync_dir(d)
+        # The files were fsync-ed as they were written: their folders are left, and the parents
+        # of the folders made here, up to the first one that existed already.
+        self._sync_dirs({os.path.dirname(self._path(k)) for k in keys})
 
     def sync_folders(self, folders: Iterable[str]) -> None:
-        paths = [self._path(f) for f in folders]
-        if self._syncfs is not None:
-            if paths:
-                self._sync_fs(self._syncfs)
-            return
-        for d in paths:
-            if os.path.isdir(d):
-                self.point("fsync_dir", d)
-                _fsync_dir(d)
+        self._sync_dirs({self._path(f) for f in folders})
 
-    def _sync_fs(self, syncfs: Any) -> None:
-        """One ``syncfs`` of the file system holding the store."""
-        self.point("fsync", self.root)
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            if syncfs(fd) != 0:
-                err = ctypes.get_errno()
-                raise _store_error(OSError(err, os.strerror(err)), self.root)
-        finally:
-            os.close(fd)
+    def _sync_dirs(self, dirs: set[str]) -> None:
+        todo = set()
+        with self._lock:
+            for d in dirs:
+                todo.add(d)
+                while d in self._fresh and len(d) > len(self.root):
+                    d = os.path.dirname(d)
+                    todo.add(d)
+            fresh = todo & self._fresh
+        for d in sorted(todo, key=len, reverse=True):  # a folder's contents before its name
+            if os.path.isdir(d):  # a folder that holds nothing yet has nothing to make durable
+                self.point("fsync_dir", d)
+                try:
+                    _fsync_dir(d)
+                except OSError as e:
+                    raise _store_error(e, d) from e
+        with self._lock:
+            self._fresh -= fresh
 
     def read_into(self, key: str, out: memoryview, offset: int = 0) -> int:
         path = self._path(key)
@@ -197,7 +205,7 @@ class LocalStorage:
         folder = os.path.dirname(path)
         tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
         try:
-            os.makedirs(folder, exist_ok=True)
+            self._makedirs(folder)
             self.point("write_manifest_tmp", key)
             with open(tmp, "xb") as f:
                 f.write(data)
@@ -211,8 +219,7 @@ class LocalStorage:
                 return False
             finally:
                 os.unlink(tmp)
-            self.point("fsync_dir", key)
-            _fsync_dir(folder)
+            self._sync_dirs({folder})
             return True
         except OSError as e:
             raise _store_error(e, path) from e
@@ -249,14 +256,6 @@ class LocalStorage:
             shutil.rmtree(path)
         else:
             self.delete(prefix)
-
-
-def _libc_syncfs():
-    """Linux's ``syncfs(fd)``, or None where the C library has no such call."""
-    try:
-        return getattr(ctypes.CDLL(None, use_errno=True), "syncfs", None)
-    except OSError:
-        return None
 
 
 def _write_all(fd: int, data: memoryview) -> None:
