@@ -58,6 +58,7 @@ from .save.types import Kind, LocalState, SaveInfo, WriteResult
 from .storage import Storage, open_storage
 from .store import Store
 from .tracking.changes import ChangeTracker, TensorChange
+from .tracking.hashing import Hasher
 from .tracking.rows import Canary, TrackHandle
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,10 @@ class Checkpointer:
         chunk_bytes: target size of a chunk file.
         dense_chunk_bytes: change-detection granularity of dense (0-d, 1-d) tensors.
         memory_budget: bytes of host staging memory a save or restore may add.
-        io_threads: parallel reads and writes per rank.
+        io_threads: parallel reads and writes per rank, at most ``threads``.
+        threads: the most threads a save or restore works on besides the calling one (its I/O
+            and its hashing share them); default ``torch.get_num_threads()``, so a save on a
+            busy node competes with training no more than torch itself does.
         create: create the store if absent; if False, a missing store raises StoreError.
         take_over: take the writer lease even if another job holds it (after that job died);
             by default a second writer fails with WriterConflictError at its first save.
@@ -110,12 +114,14 @@ class Checkpointer:
         dense_chunk_bytes: int = 1 * MiB,
         memory_budget: int = 256 * MiB,
         io_threads: int = 4,
+        threads: int | None = None,
         create: bool = True,
         take_over: bool = False,
         storage_options: Mapping[str, Any] | None = None,
     ):
+        threads = torch.get_num_threads() if threads is None else threads
         for name, value in (("chunk_bytes", chunk_bytes), ("dense_chunk_bytes", dense_chunk_bytes),
-                            ("io_threads", io_threads)):
+                            ("io_threads", io_threads), ("threads", threads)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if memory_budget < 2 * chunk_bytes:
@@ -132,10 +138,11 @@ class Checkpointer:
             self._coll.one("open", self.store.create)
         self.store.check_exists()
         self._sizes = (chunk_bytes, dense_chunk_bytes)
-        self._tracker = ChangeTracker(dense_chunk_bytes)
         self._pool = StagingPool(memory_budget // chunk_bytes, chunk_bytes,
                                  pin=torch.cuda.is_available())
-        self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="deltackpt-io")
+        workers = min(io_threads, threads)
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="deltackpt-io")
+        self._tracker = ChangeTracker(dense_chunk_bytes, Hasher(self._executor, workers))
         self._head: Manifest | None = None  # the step the next delta applies to
         self._chain = ChainState(0, 0, 0)
         self._sent_digest: str | None = None  # this rank's last local plan, as sent

@@ -54,39 +54,47 @@ class _OnHost:
     """The reference on a device tensor: computes on a host copy, returns on the device."""
 
     @staticmethod
-    def hash_rows(t: torch.Tensor) -> torch.Tensor:
-        return reference.hash_rows(t.cpu()).to(t.device)
+    def hash_rows(t: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        return reference.hash_rows(t.cpu(), threads).to(t.device)
 
     @staticmethod
-    def hash_chunks(t: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
-        return reference.hash_chunks(t.cpu(), chunk_bytes).to(t.device)
+    def hash_chunks(t: torch.Tensor, chunk_bytes: int, threads: int | None = None) -> torch.Tensor:
+        return reference.hash_chunks(t.cpu(), chunk_bytes, threads).to(t.device)
 
     mark_rows = staticmethod(reference.mark_rows)
     gather_rows = staticmethod(reference.gather_rows)
 
 
-def hash_rows(t: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+def hash_rows(t: torch.Tensor, *, backend: str = "auto", threads: int | None = None) -> torch.Tensor:
     """XXH64 (seed 0) of the bytes of every row ``t[i]``, as int64 bit patterns.
 
     Args:
         t: a tensor with at least one dimension; rows are along dimension 0.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        threads: the most CPU threads the hash may use (None: ``torch.get_num_threads()``); an
+            input under ``reference.PARALLEL_MIN`` bytes a thread is hashed on the calling one.
 
     Returns:
         An int64 tensor of ``t.shape[0]`` hashes on ``t``'s device.
     """
     if t.dim() == 0:
         raise ValueError("hash_rows needs a tensor with at least one dimension, got a 0-d tensor")
-    return _impl(t, backend).hash_rows(t.contiguous())
+    _check_threads(threads)
+    impl = _impl(t, backend)
+    if impl is reference or impl is _OnHost:
+        return impl.hash_rows(t.contiguous(), threads)
+    return impl.hash_rows(t.contiguous())
 
 
-def hash_chunks(t: torch.Tensor, chunk_bytes: int, *, backend: str = "auto") -> torch.Tensor:
+def hash_chunks(t: torch.Tensor, chunk_bytes: int, *, backend: str = "auto",
+                threads: int | None = None) -> torch.Tensor:
     """XXH64 (seed 0) of every ``chunk_bytes`` piece of ``t``'s flat bytes; the last may be short.
 
     Args:
         t: any tensor; its bytes are taken in C order.
         chunk_bytes: piece size, a positive multiple of ``t.element_size()``.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        threads: as for :func:`hash_rows`.
 
     Returns:
         An int64 tensor of ``ceil(t.nbytes / chunk_bytes)`` hashes on ``t``'s device.
@@ -96,7 +104,16 @@ def hash_chunks(t: torch.Tensor, chunk_bytes: int, *, backend: str = "auto") -> 
             f"chunk_bytes must be a positive multiple of the element size {t.element_size()}, "
             f"got {chunk_bytes}"
         )
-    return _impl(t, backend).hash_chunks(t.contiguous(), chunk_bytes)
+    _check_threads(threads)
+    impl = _impl(t, backend)
+    if impl is reference or impl is _OnHost:
+        return impl.hash_chunks(t.contiguous(), chunk_bytes, threads)
+    return impl.hash_chunks(t.contiguous(), chunk_bytes)
+
+
+def _check_threads(threads: int | None) -> None:
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise ValueError(f"threads must be a positive int or None, got {threads!r}")
 
 
 def mark_rows(mask: torch.Tensor, ids: torch.Tensor, *, backend: str = "auto") -> None:

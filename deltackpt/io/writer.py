@@ -138,7 +138,7 @@ class StepWriter:
             else:
                 out.copy_(flat.index_select(0, part.to(t.device)))
             if hash_into is not None:
-                hash_into[lo:hi] = kernels.hash_rows(out)
+                hash_into[lo:hi] = kernels.hash_rows(out, threads=1)
             self._put(key, path, f"rows/{chunk_key(i, t.dim())}", out, pad_rows * row_bytes, t.dtype,
                       release=partial(self._pool.release, buf))
 
@@ -152,7 +152,7 @@ class StepWriter:
             lo, hi = c * chunk_elems, min(numel, (c + 1) * chunk_elems)
             pad = (chunk_elems - (hi - lo)) * t.element_size()
             if hash_into is not None:
-                hash_into[j] = kernels.hash_rows(flat[lo:hi].view(1, -1))[0]
+                hash_into[j] = kernels.hash_rows(flat[lo:hi].view(1, -1), threads=1)[0]
             self._put(key, path, chunk_key(c, 1), flat[lo:hi], pad, t.dtype)
 
     def finish(self) -> dict[tuple[str, str], ChunkMap]:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels  # type: ignore[attr-defined]  # installed from kernels/, see pyproject
+from .hashing import Hasher
 from .marks import TableMode, TrackedTable
 from .rows import RowTracker, TrackedGroup
 
@@ -80,13 +81,15 @@ class ChangeTracker:
 
     Args:
         dense_chunk_bytes: chunk size for dense tensors' hashes and delta chunks.
+        hasher: where hashes are computed; default: on the calling thread.
 
     Attributes:
         rows: the tracked tables; ``Checkpointer.track`` and ``Checkpointer.mark`` feed it.
     """
 
-    def __init__(self, dense_chunk_bytes: int):
+    def __init__(self, dense_chunk_bytes: int, hasher: Hasher | None = None):
         self.dense_chunk_bytes = dense_chunk_bytes
+        self.hasher = hasher if hasher is not None else Hasher()
         self.rows = RowTracker()
         self._refs: dict[str, _Reference] = {}
         self._scanned: list[TrackedTable] = []  # tables of the last scan, for adopt
@@ -103,8 +106,8 @@ class ChangeTracker:
     def hash(self, t: torch.Tensor) -> torch.Tensor:
         """Every row's or chunk's hash of ``t``, on the CPU."""
         if is_row_sparse(t):
-            return kernels.hash_rows(t).cpu()
-        return kernels.hash_chunks(t, self.chunk_elems(t) * t.element_size()).cpu()
+            return self.hasher.rows(t)
+        return self.hasher.chunks(t, self.chunk_elems(t) * t.element_size())
 
     def keys(self) -> set[str]:
         """Keys of the tensors the last commit (or restore) hashed."""
@@ -232,7 +235,7 @@ class ChangeTracker:
         if not units.numel():
             return torch.empty(0, dtype=torch.int64)
         if is_row_sparse(t):
-            return kernels.hash_rows(kernels.gather_rows(t, units.to(t.device))).cpu()
+            return self.hasher.rows(kernels.gather_rows(t, units.to(t.device)))
         # A chunk's hash is the hash of its bytes, so whole chunks hash as the rows of a
         # (chunks, chunk_elems) view; the short last chunk, if any, on its own.
         ce = self.chunk_elems(t)
@@ -242,7 +245,7 @@ class ChangeTracker:
         inner = units < whole
         if inner.any():
             grid = flat[: whole * ce].view(whole, ce)
-            out[inner] = kernels.hash_rows(kernels.gather_rows(grid, units[inner].to(t.device))).cpu()
+            out[inner] = self.hasher.rows(kernels.gather_rows(grid, units[inner].to(t.device)))
         if not inner.all():
-            out[~inner] = kernels.hash_rows(flat[whole * ce :].view(1, -1)).cpu()
+            out[~inner] = self.hasher.rows(flat[whole * ce :].view(1, -1))
         return out

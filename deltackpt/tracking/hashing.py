@@ -1,0 +1,73 @@
+"""Hashing on a save's own threads: small tensors on the calling thread, large ones split across
+the I/O threads, so a save never wakes more threads than it was given.
+
+The compiled kernels could run a large hash in parallel themselves, but their thread pool is
+another set of threads beside the I/O threads; splitting the hash into pieces run by the
+single-threaded kernel on the I/O threads keeps every thread a save uses in one bounded pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Executor
+
+import torch
+
+from .. import kernels
+from ..kernels.reference import PARALLEL_MIN
+
+
+class Hasher:
+    """Row and chunk hashes on at most ``threads`` threads of ``executor``.
+
+    A CPU tensor of at least ``2 * PARALLEL_MIN`` bytes is split into up to ``threads`` pieces
+    of at least ``PARALLEL_MIN`` bytes, hashed on the executor while the caller waits; anything
+    smaller, and every device tensor, is hashed on the calling thread.
+
+    Args:
+        executor: the save's worker threads; None hashes everything on the calling thread.
+        threads: how many of them may hash at once.
+
+    Example:
+        >>> Hasher().rows(torch.zeros(3, 4)).shape
+        torch.Size([3])
+    """
+
+    def __init__(self, executor: Executor | None = None, threads: int = 1):
+        self._executor = executor
+        self._threads = threads if executor is not None else 1
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Every row's hash of ``t`` (see :func:`deltackpt.kernels.hash_rows`), on the CPU."""
+        pieces = self._pieces(t)
+        if pieces <= 1 or not t.shape[0]:
+            return kernels.hash_rows(t, threads=1).cpu()
+        t = t.contiguous()
+        step = -(-t.shape[0] // pieces)
+        return self._gather([(kernels.hash_rows, t[lo : lo + step], ())
+                             for lo in range(0, t.shape[0], step)])
+
+    def chunks(self, t: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
+        """Every ``chunk_bytes`` piece's hash of ``t``'s flat bytes (see
+        :func:`deltackpt.kernels.hash_chunks`), on the CPU."""
+        pieces = self._pieces(t)
+        if pieces <= 1:
+            return kernels.hash_chunks(t, chunk_bytes, threads=1).cpu()
+        flat = t.contiguous().reshape(-1)
+        per_chunk = chunk_bytes // t.element_size()
+        chunks = -(-flat.numel() // per_chunk)
+        step = -(-chunks // pieces) * per_chunk  # pieces end on chunk boundaries
+        return self._gather([(kernels.hash_chunks, flat[lo : lo + step], (chunk_bytes,))
+                             for lo in range(0, flat.numel(), step)])
+
+    def _pieces(self, t: torch.Tensor) -> int:
+        if self._threads <= 1 or t.device.type != "cpu":
+            return 1
+        return min(self._threads, t.numel() * t.element_size() // PARALLEL_MIN)
+
+    def _gather(self, jobs: list[tuple[Callable[..., torch.Tensor], torch.Tensor, tuple[int, ...]]]
+                ) -> torch.Tensor:
+        if self._executor is None:
+            return torch.cat([fn(piece, *args, threads=1) for fn, piece, args in jobs])
+        futures = [self._executor.submit(fn, piece, *args, threads=1) for fn, piece, args in jobs]
+        return torch.cat([f.result() for f in futures])
