@@ -42,9 +42,9 @@ def rows_per_chunk(rows: int, row_bytes: int, chunk_bytes: int) -> int:
 
 
 def dense_chunk_elems(numel: int, itemsize: int, dense_chunk_bytes: int) -> int:
-    """Elements per dense chunk: one chunk for a part smaller than a chunk, so a small tensor's
-    delta is not padded to the full chunk size."""
-    return max(1, min(numel, dense_chunk_bytes // itemsize))
+    """Elements per dense chunk: about ``dense_chunk_bytes``, split evenly so that the edge chunk
+    pads less than one element per chunk (one chunk for a part smaller than a chunk)."""
+    return rows_per_chunk(numel, itemsize, dense_chunk_bytes)
 
 
 def chunk_shape(encoding: str, shape: tuple[int, ...], itemsize: int, changed: int,

@@ -120,6 +120,30 @@ def fetch_file(storage: Storage, step: int, path: str, entry: Entry | None, into
         raise IntegrityError(step, path, "checksum mismatch")
 
 
+def fetch_file_in_pieces(storage: Storage, step: int, path: str, entry: Entry | None,
+                         buf: torch.Tensor) -> None:
+    """As :func:`fetch_file`, for a file of any size: reads it through ``buf`` (uint8, any size
+    from one byte on) a piece at a time."""
+    if entry is None:
+        raise MissingChunkError(step, path)
+    view = memoryview(buf.numpy())
+    h = xxhash.xxh3_64()
+    at = 0
+    while True:
+        try:
+            got = storage.read_into(path, view, at)
+        except FileNotFoundError:
+            got = None
+        size = _check_size(step, path, entry, got)
+        n = min(len(view), size - at)
+        h.update(view[:n])
+        at += n
+        if at >= size:
+            break
+    if h.hexdigest() != entry[1]:
+        raise IntegrityError(step, path, "checksum mismatch")
+
+
 def whole(shape: tuple[int, ...]) -> Box:
     return Box((0,) * len(shape), tuple(shape))
 

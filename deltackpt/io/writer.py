@@ -6,11 +6,9 @@ the commit record. Rows and device data pass through the staging pool; whole CPU
 written straight from their memory. Edge chunks are padded with zeros to the full chunk shape, as
 zarr v3 stores them, so any zarr v3 reader reads the arrays.
 
-A delta's chunks are small and many (two per changed part), and on a file system each file and
-folder costs more than its bytes: a 1% delta of a 56-tensor DLRM made 218 files in 134 folders.
-So a delta's chunks go back to back into one pack per writing rank instead (``pack.<rank>``, a
-uint8 zarr array in files of up to ``chunk_bytes``), and the record gives each chunk's offset in
-it beside its size and checksum.
+A delta's chunks go back to back into one pack per writing rank instead (see
+:mod:`deltackpt.io.pack`), and the record gives each chunk's offset in it beside its size and
+checksum.
 
 The geometry functions are shared by the coordinator (which writes every array's metadata) and
 the rank that writes a part's chunks, so both agree on the chunk grid.
@@ -33,6 +31,7 @@ from ..format.layout import chunk_key, part_folder
 from ..format.manifest import ChunkMap
 from ..format.zarr_meta import array_doc, codec_for, group_doc
 from ..storage import Storage
+from .pack import Pack
 from .staging import StagingPool
 
 
@@ -73,7 +72,7 @@ class StepWriter:
 
                 self._submit_path(f"{folder}/{pack}/{name}", parts, record, release)
 
-            self._pack = _Pack(pool, write)
+            self._pack = Pack(pool, write)
         self.written: list[str] = []  # every file written, for the directory syncs
 
     # -- metadata (coordinator) ------------------------------------------------------------------
@@ -255,117 +254,3 @@ class StepWriter:
                 release()
 
         self._futures.append(self._executor.submit(job))
-
-
-class _Pack:
-    """Chunks stored back to back in one uint8 array (a delta's ``pack.<rank>``).
-
-    Bytes gather in a staging buffer of the pool's size, which is the pack's chunk: a pack that
-    fits in one buffer is one chunk of exactly its size; a longer one has chunks of the buffer
-    size, the last padded with zeros as zarr v3 stores edge chunks. Each chunk file is written
-    while its buffer fills, ``STREAM_BYTES`` at a time, so the disk works while rows are gathered.
-
-    Args:
-        pool: staging buffers; the pack's chunk size is their size.
-        write: queues the write of one file of the pack: ``write(name, parts, release)``, where
-            ``parts()`` yields the file's bytes in order.
-    """
-
-    def __init__(self, pool: StagingPool,
-                 write: Callable[[str, Callable[[], Iterable[memoryview]], Callable[[], None]], None]):
-        self._pool = pool
-        self._write = write
-        self._chunk = pool.nbytes
-        self._file: _Stream | None = None  # the chunk file being filled
-        self._files = 0
-        self.size = 0
-
-    def append(self, data: list[memoryview]) -> tuple[int, str, int]:
-        """Adds one chunk's bytes; returns its size, xxh3-64 and offset in the pack."""
-        offset = self.size
-        h = xxhash.xxh3_64()
-        for part in data:
-            h.update(part)
-            src = np.frombuffer(part, np.uint8)
-            while src.size:
-                if self._file is None:
-                    self._file = _Stream(self._pool.acquire(self._chunk), self._pool)
-                    self._write(chunk_key(self._files, 1), self._file.blocks, self._file.done)
-                    self._files += 1
-                n = self._file.put(src[: self._chunk - self._file.fill])
-                self.size += n
-                src = src[n:]
-                if self._file.fill == self._chunk:
-                    self._file.end(self._chunk)
-                    self._file = None
-        return self.size - offset, h.hexdigest(), offset
-
-    def close(self) -> None:
-        """Ends the last chunk file and writes the array's metadata (nothing for an empty pack)."""
-        if self.size == 0:
-            return
-        chunk = self._chunk if self._files > 1 or self._file is None else self._file.fill
-        if self._file is not None:
-            self._file.end(chunk)
-            self._file = None
-        doc = array_doc((self.size,), (chunk,), torch.uint8, raw=True)  # chunks coded on their own
-        self._write("zarr.json", lambda: [memoryview(doc)], lambda: None)
-
-    def discard(self) -> None:
-        """Ends the chunk file being filled where it is (the save failed)."""
-        if self._file is not None:
-            self._file.end(self._file.fill)
-            self._file = None
-
-
-STREAM_BYTES = 1 << 20  # a pack file is handed to the disk in pieces of this size as it fills
-
-
-class _Stream:
-    """One chunk file of a pack: a staging buffer filled by the saving thread and written by an
-    I/O thread as it fills; the buffer goes back to the pool once both are done with it."""
-
-    def __init__(self, buf: torch.Tensor, pool: StagingPool):
-        self._buf = buf
-        self._pool = pool
-        self._ready: queue.SimpleQueue[int | None] = queue.SimpleQueue()  # bytes ready, None: end
-        self._users = 2
-        self._lock = threading.Lock()
-        self.fill = 0
-        self._sent = 0
-
-    def put(self, src: np.ndarray) -> int:
-        """Copies ``src`` (which fits) after the bytes so far; hands whole pieces to the writer."""
-        n = src.size
-        self._buf.numpy()[self.fill : self.fill + n] = src
-        self.fill += n
-        if self.fill - self._sent >= STREAM_BYTES:
-            self._send(self.fill // STREAM_BYTES * STREAM_BYTES)
-        return n
-
-    def end(self, size: int) -> None:
-        """The file is ``size`` bytes: the bytes so far, then zeros."""
-        self._buf[self.fill : size].zero_()
-        self._send(size)
-        self._ready.put(None)
-        self.done()
-
-    def blocks(self) -> Iterator[memoryview]:
-        """The file's bytes, as they become ready (runs on the I/O thread)."""
-        whole = self._buf.numpy().data
-        at = 0
-        while (upto := self._ready.get()) is not None:
-            yield whole[at:upto]
-            at = upto
-
-    def done(self) -> None:
-        with self._lock:
-            self._users -= 1
-            last = self._users == 0
-        if last:
-            self._pool.release(self._buf)
-
-    def _send(self, upto: int) -> None:
-        if upto > self._sent:
-            self._ready.put(upto)
-            self._sent = upto

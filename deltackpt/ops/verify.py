@@ -12,7 +12,7 @@ import torch
 from ..errors import BrokenChainError, DeltackptError, IntegrityError, MissingChunkError
 from ..format.layout import STEPS
 from ..format.manifest import Manifest
-from ..io.reader import fetch, fetch_file, file_size, stored_size
+from ..io.reader import fetch, fetch_file_in_pieces, file_size, stored_size
 from ..io.staging import StagingPool
 from ..store import Store
 
@@ -93,10 +93,10 @@ def _check_step(store: Store, m: Manifest, pool: StagingPool, executor: Executor
     from the pack again and checked on its own)."""
     storage = store.storage
 
-    def check(size: Callable[[], int], read: Callable[[torch.Tensor], None]) -> Problem | None:
+    def check(size: Callable[[], int], read: Callable[[torch.Tensor], None], pieces: bool) -> Problem | None:
         try:
             n = size()  # checked against the file before a buffer is sized by it
-            buf = pool.acquire(n)
+            buf = pool.acquire((min(n, pool.nbytes) or 1) if pieces else n)
             try:
                 read(buf)
             finally:
@@ -108,21 +108,22 @@ def _check_step(store: Store, m: Manifest, pool: StagingPool, executor: Executor
         progress(n)
         return None
 
-    jobs: list[tuple[int, Callable[[], int], Callable[[torch.Tensor], None]]] = []
+    # A pack's file is as long as the pack: read through one staging buffer a piece at a time.
+    jobs: list[tuple[int, Callable[[], int], Callable[[torch.Tensor], None], bool]] = []
     for pack, files in m.packs.items():
         for name, entry in files.items():
             path = f"{STEPS}/{m.attempt}/{pack}/{name}"
             jobs.append((entry[0], partial(file_size, storage, m.step, path, entry),
-                         partial(fetch_file, storage, m.step, path, entry)))
+                         partial(fetch_file_in_pieces, storage, m.step, path, entry), True))
     for key, rec in m.tensors.items():
         for part in rec.parts:
             for name, chunk in part.chunks.items():
                 jobs.append((chunk[0], partial(stored_size, storage, m, key, part, name),
-                             partial(fetch, storage, m, key, part, name)))
+                             partial(fetch, storage, m, key, part, name), False))
     futures = []
-    for size, sizer, read in jobs:
+    for size, sizer, read, pieces in jobs:
         report.chunks += 1
         report.bytes += size
-        futures.append(executor.submit(check, sizer, read))
+        futures.append(executor.submit(check, sizer, read, pieces))
     found = [p for f in futures if (p := f.result()) is not None]
     return sorted(found, key=lambda p: p.key)

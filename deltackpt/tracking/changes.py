@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels  # type: ignore[attr-defined]  # installed from kernels/, see pyproject
+from ..format.encodings import dense_chunk_elems
 from .hashing import Hasher
 from .marks import TableMode, TrackedTable
 from .rows import RowTracker, TrackedGroup
@@ -99,9 +100,8 @@ class ChangeTracker:
         self._rng.seed()
 
     def chunk_elems(self, t: torch.Tensor) -> int:
-        """Elements per dense chunk of ``t``: one chunk for a tensor smaller than a chunk, so a
-        small tensor's delta is not padded to the full chunk size."""
-        return max(1, min(t.numel(), self.dense_chunk_bytes // t.element_size()))
+        """Elements per dense chunk of ``t``, as its delta's chunks are stored."""
+        return dense_chunk_elems(t.numel(), t.element_size(), self.dense_chunk_bytes)
 
     def hash(self, t: torch.Tensor) -> torch.Tensor:
         """Every row's or chunk's hash of ``t``, on the CPU."""

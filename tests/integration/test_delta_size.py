@@ -28,3 +28,41 @@ def test_one_percent_delta_of_a_million_row_table(store_path):
     bound = 1.1 * changed.numel() * (dim * 4 + 8)
     assert on_disk <= bound, (on_disk, bound)
     assert info.bytes_written <= on_disk
+
+
+def test_a_delta_pads_less_than_one_block_per_chunk(store_path):
+    """The pack's files hold the changed rows and chunks with less than one 4 KiB block of
+    padding per chunk, however many staging buffers and chunks the delta spans."""
+    gen = torch.Generator().manual_seed(1)
+    state = {
+        "table": torch.randn(200_000, 24, generator=gen),  # 96 B rows
+        "wide": torch.randn(3000, 1000, generator=gen),  # 4000 B rows
+        "vec": torch.randn(1_300_001, generator=gen),  # chunks of about 1 MiB, an odd number
+        "count": torch.arange(5000),
+    }
+    with Checkpointer(store_path, chunk_bytes=1 << 20, memory_budget=4 << 20) as ckpt:
+        ckpt.save(0, state)
+        state["table"][::7] += 1  # 2.7 MB of rows: three rows chunks
+        state["wide"][::3] += 1
+        state["vec"][::100_000] += 1  # every chunk, the short last one too
+        state["count"][-1] += 1
+        info = ckpt.save(1, state)
+        m = ckpt.store.manifest(1)
+    assert info.kind == "delta"
+    payload, chunks = 0, 0
+    for key, rec in m.tensors.items():
+        t = state[key]
+        for part in rec.parts:
+            chunks += len(part.chunks)
+            if rec.encoding == "rows":
+                payload += part.changed * (t[0].numel() * t.element_size() + 8)
+            else:
+                ce = part.chunk_shape[0]
+                payload += sum(min(ce, t.numel() - int(n[2:]) * ce) * t.element_size()
+                               for n in part.chunks)
+    folder = os.path.join(store_path, "steps", m.attempt)
+    packs = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs if f != "zarr.json"]
+    on_disk = sum(os.path.getsize(p) for p in packs)
+    chunks += len(packs)
+    assert chunks >= 8 and on_disk > 4 << 20
+    assert on_disk - payload < 4096 * chunks, (on_disk, payload, chunks)
