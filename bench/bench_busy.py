@@ -1,0 +1,257 @@
+"""Saves on a busy training node: a marked delta quiet, after other processes' unsynced writes and
+with every core busy elsewhere; a delta's bytes on disk against its payload; a base's direct I/O.
+
+One run, rounds interleaved so that drift on a shared VM hits every case alike, medians reported:
+
+  quiet       a 1% marked delta save (the tables' rows and their optimizer state, marked with
+              ``Checkpointer.mark``) on an otherwise idle file system
+  dirty       the same right after another process wrote ``--dirty-gib`` GiB to a file on the same
+              file system without syncing it (the file is deleted after the save)
+  busy        the same while ``os.cpu_count()`` other processes spin on every core
+  padding     the delta step's bytes on disk (every file of its attempt folder) / its payload
+              (changed rows x (row bytes + 8 B of id))
+  base        a base save's time and the bytes it wrote with O_DIRECT (counted at the storage),
+              against the disk's O_DIRECT bandwidth measured in the same run (a fresh file of the
+              base's size written from one aligned buffer in 32 MiB writes, then fsync)
+
+The state is DLRM-like: ``--tables`` fp32 tables of ``--rows`` x ``--dim`` with an Adagrad-style
+accumulator each (row-sparse, marked) and a dense MLP of ``--dense-mib`` MiB (hashed at every
+save; ``--delta`` of it changes, in one block). Defaults: 8 x 1,000,000 x 32, 2.19 GB in all.
+
+Every delta is restored and compared bit for bit with the state it saved at the end of the run.
+The machine may be shared with other jobs: the bench prints the other processes' CPU time during
+the rounds. Scratch files go to a fresh folder under ``--dir``, removed at the end.
+
+Usage: ``python bench/bench_busy.py [--repeat 3] [--tables 8 --rows 1000000 --dim 32]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from common import cpu_seconds, others_cpu, tree_bytes
+from deltackpt import Checkpointer
+from deltackpt.policy import EveryK
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+DIRTY = """
+import os, sys
+import numpy as np
+block = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes()
+with open(sys.argv[1], "wb") as f:
+    for _ in range(int(sys.argv[2])):
+        f.write(block)
+"""
+
+SPIN = "while True: pass"
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tables", type=int, default=8, help="embedding tables (default %(default)s)")
+    p.add_argument("--rows", type=int, default=1_000_000, help="rows per table (default %(default)s)")
+    p.add_argument("--dim", type=int, default=32, help="fp32 values per row (default %(default)s)")
+    p.add_argument("--dense-mib", type=int, default=140, help="dense MLP size (default %(default)s)")
+    p.add_argument("--delta", type=float, default=0.01, help="share of rows a delta changes")
+    p.add_argument("--dirty-gib", type=float, default=1.5, help="other process's unsynced writes")
+    p.add_argument("--repeat", type=int, default=3, help="rounds (default %(default)s)")
+    p.add_argument("--dir", default=tempfile.gettempdir(), help="where the scratch folder goes")
+    return p.parse_args(argv)
+
+
+def make_state(args: argparse.Namespace) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    tables = {f"t{i}": torch.randn(args.rows, args.dim, generator=gen) * 0.01 for i in range(args.tables)}
+    accum = {f"t{i}": torch.rand(args.rows, args.dim, generator=gen) for i in range(args.tables)}
+    dense = torch.randn(args.dense_mib * MiB // 4 // 1024, 1024, generator=gen)
+    return {"model": {"emb": tables, "mlp": dense}, "optim": {"accum": accum}, "step": 0}
+
+
+def touch(ckpt: Checkpointer, state: dict, args: argparse.Namespace, gen: torch.Generator) -> int:
+    """One training step's worth of changes: ``--delta`` of every table's rows, marked."""
+    n = int(args.rows * args.delta)
+    for name, table in state["model"]["emb"].items():
+        ids = torch.randint(0, args.rows, (n,), generator=gen).unique()
+        table[ids] += 1e-3
+        state["optim"]["accum"][name][ids] += 1e-2
+        ckpt.mark(f"model/emb/{name}", ids)
+        ckpt.mark(f"optim/accum/{name}", ids)
+    mlp = state["model"]["mlp"].view(-1)
+    mlp[: int(mlp.numel() * args.delta)] += 1e-4  # the same share of the dense weights, in a block
+    state["step"] += 1
+    return state["step"]
+
+
+def payload(ckpt: Checkpointer, step: int) -> int:
+    m = ckpt.store.manifest(step)
+    total = 0
+    for rec in m.tensors.values():
+        itemsize = torch.empty((), dtype=getattr(torch, rec.dtype)).element_size()
+        for part in rec.parts:
+            if rec.encoding == "rows":
+                total += part.changed * (int(torch.tensor(part.shape[1:]).prod()) * itemsize + 8)
+            else:
+                ce = part.chunk_shape[0]
+                n = int(torch.tensor(part.shape).prod()) if part.shape else 1
+                total += sum(min(ce, n - int(c[2:]) * ce) * itemsize for c in part.chunks)
+    return total
+
+
+def direct_bandwidth(folder: str, nbytes: int) -> float:
+    """GB/s of a fresh file written with O_DIRECT in 32 MiB writes from one aligned buffer, fsync."""
+    buf = mmap.mmap(-1, 32 * MiB)  # page-aligned
+    buf.write(os.urandom(32 * MiB))
+    path = os.path.join(folder, "direct.bin")
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+    try:
+        for _ in range(-(-nbytes // (32 * MiB))):
+            os.write(fd, buf)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - t0
+    written = os.path.getsize(path)
+    os.unlink(path)
+    return written / seconds / 1e9
+
+
+class DirectCount:
+    """Counts the bytes a LocalStorage writes with O_DIRECT."""
+
+    def __init__(self, storage):
+        self.bytes = 0
+        real = storage._write_direct
+
+        def counted(fd, data):
+            n = real(fd, data)
+            self.bytes += n
+            return n
+
+        storage._write_direct = counted
+
+
+def timed_save(ckpt: Checkpointer, state: dict, step: int) -> float:
+    t0 = time.perf_counter()
+    info = ckpt.save(step, state)
+    seconds = time.perf_counter() - t0
+    if info.kind != "delta":
+        raise SystemExit(f"step {step} was saved as a {info.kind}, not a delta")
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    scratch = tempfile.mkdtemp(prefix="bench_busy.", dir=args.dir)
+    try:
+        return run(args, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def warm_up(scratch: str) -> None:
+    """Compiles and loads what the first save would (numba kernels, thread pools) on a tiny store."""
+    with Checkpointer(os.path.join(scratch, "warm")) as ckpt:
+        t = torch.randn(1000, 8)
+        ckpt.save(0, {"t": t, "v": torch.randn(5000)})
+        t[::10] += 1
+        ckpt.mark("t", torch.arange(0, 1000, 10))
+        ckpt.save(1, {"t": t, "v": torch.randn(5000)})
+    shutil.rmtree(os.path.join(scratch, "warm"))
+
+
+def run(args: argparse.Namespace, scratch: str) -> int:
+    warm_up(scratch)
+    state = make_state(args)
+    state_bytes = sum(t.numel() * t.element_size() for t in [
+        *state["model"]["emb"].values(), *state["optim"]["accum"].values(), state["model"]["mlp"]])
+    gen = torch.Generator().manual_seed(1)
+    ckpt = Checkpointer(os.path.join(scratch, "store"), policy=EveryK(10_000))
+    count = DirectCount(ckpt.store.storage)
+    times: dict[str, list[float]] = {"quiet": [], "dirty": [], "busy": []}
+    base_s, disk = [], []
+    saved: dict[int, dict] = {}
+    ratio = []
+    cpu0 = cpu_seconds()
+    for r in range(args.repeat):
+        # A base (a fresh store each round) and the disk's O_DIRECT bandwidth beside it.
+        if r:
+            ckpt.close()
+            shutil.rmtree(os.path.join(scratch, "store"))
+            ckpt = Checkpointer(os.path.join(scratch, "store"), policy=EveryK(10_000))
+            count = DirectCount(ckpt.store.storage)
+        disk.append(direct_bandwidth(scratch, state_bytes))
+        t0 = time.perf_counter()
+        ckpt.save(state["step"], state)
+        base_s.append(time.perf_counter() - t0)
+        direct = count.bytes
+        timed_save(ckpt, state, touch(ckpt, state, args, gen))  # marks start with this one
+        for case in times:
+            step = touch(ckpt, state, args, gen)
+            if case == "dirty":
+                noise = os.path.join(scratch, "other.bin")
+                subprocess.run([sys.executable, "-c", DIRTY, noise, str(int(args.dirty_gib * 16))],
+                               check=True)
+                times[case].append(timed_save(ckpt, state, step))
+                os.unlink(noise)
+            elif case == "busy":
+                spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(os.cpu_count() or 2)]
+                try:
+                    time.sleep(0.5)
+                    times[case].append(timed_save(ckpt, state, step))
+                finally:
+                    for p in spinners:
+                        p.kill()
+                        p.wait()
+            else:
+                times[case].append(timed_save(ckpt, state, step))
+            m = ckpt.store.manifest(step)
+            ratio.append(tree_bytes(os.path.join(scratch, "store", "steps", m.attempt)) / payload(ckpt, step))
+            if r == args.repeat - 1:
+                saved[step] = {k: v.clone() for k, v in state["model"]["emb"].items()}
+    others = others_cpu(cpu0, cpu_seconds())
+    for step, emb in saved.items():
+        got = ckpt.load(step)["model"]["emb"]
+        for k, v in emb.items():
+            if not torch.equal(got[k], v):
+                raise SystemExit(f"step {step}: {k} restored differently")
+    ckpt.close()
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"state {state_bytes / 1e9:.2f} GB, {args.tables} tables x {args.rows} x {args.dim} fp32 "
+          f"+ accumulators + {args.dense_mib} MiB dense; {args.delta:.0%} of rows per delta; "
+          f"{args.repeat} rounds; {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
+    if others is not None:
+        print(f"other processes' user CPU time during the rounds: {others:.1f} s (the machine is shared)")
+    print("| measure | median | runs | ratio | goal |")
+    print("| --- | --- | --- | --- | --- |")
+    runs = lambda v: ", ".join(f"{x:.3f}" for x in v)  # noqa: E731
+    print(f"| delta, quiet | {med['quiet']:.3f} s | {runs(times['quiet'])} | 1.00 | |")
+    print(f"| delta, after {args.dirty_gib} GiB of another process's unsynced writes | {med['dirty']:.3f} s "
+          f"| {runs(times['dirty'])} | {med['dirty'] / med['quiet']:.2f}x quiet | <= 1.5x |")
+    print(f"| delta, every core busy in other processes | {med['busy']:.3f} s | {runs(times['busy'])} "
+          f"| {med['busy'] / med['quiet']:.2f}x quiet | <= 2x |")
+    print(f"| delta bytes on disk / payload | {statistics.median(ratio):.4f} | "
+          f"{', '.join(f'{x:.4f}' for x in ratio)} | | <= 1.01 |")
+    bw = statistics.median(disk)
+    b = statistics.median(base_s)
+    print(f"| base save ({direct / 1e9:.2f} of {state_bytes / 1e9:.2f} GB written direct) | {b:.3f} s "
+          f"| {runs(base_s)} | {state_bytes / b / 1e9:.2f} GB/s = {state_bytes / b / 1e9 / bw:.0%} "
+          f"of the disk's O_DIRECT {bw:.2f} GB/s ({', '.join(f'{x:.2f}' for x in disk)}) | >= 85% |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
