@@ -12,7 +12,7 @@ import pytest
 
 from deltackpt.io.staging import StagingPool
 from deltackpt.storage import LocalStorage
-from deltackpt.storage.local import BLOCK, DIRECT_MIN
+from deltackpt.storage.local import BLOCK, BOUNCE, DIRECT_MIN
 
 
 def parts_of(pool: StagingPool, rng: np.random.Generator) -> tuple[list[memoryview], bytes]:
@@ -78,3 +78,17 @@ def test_a_file_system_refusing_o_direct_gets_buffered_writes(tmp_path, monkeypa
     storage.write("y", parts)
     assert storage.read("x") == expected and storage.read("y") == expected
     assert len(refused) == (1 if hasattr(os, "O_DIRECT") else 0)  # asked once, then not again
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
+def test_unaligned_memory_is_written_direct_through_a_bounce_buffer(tmp_path, monkeypatch):
+    raw = np.random.default_rng(2).integers(0, 256, 2 * BOUNCE + 3 * BLOCK + 64 + 99, dtype=np.uint8)
+    start = 64 - raw.ctypes.data % BLOCK + BLOCK  # 64 B past a block, as a tensor's memory starts
+    part = memoryview(raw[start:])
+    storage = LocalStorage(tmp_path)
+    direct = []
+    real = storage._write_direct
+    monkeypatch.setattr(storage, "_write_direct", lambda fd, data: direct.append(real(fd, data)) or direct[-1])
+    storage.write("f", [part])
+    assert storage.read("f") == bytes(part)
+    assert direct == [len(part) // BLOCK * BLOCK]  # every whole block, in three bounce copies
