@@ -231,11 +231,12 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def hash_rows(t: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+def hash_rows(t: torch.Tensor, threads: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """XXH64 of every row (``t[i]``) of a CPU tensor, as int64 bit patterns, on at most
-    ``threads`` threads (None: ``torch.get_num_threads()``); see :data:`PARALLEL_MIN`."""
+    ``threads`` threads (None: ``torch.get_num_threads()``; see :data:`PARALLEL_MIN`), into
+    ``out`` (a contiguous int64 tensor of ``t.shape[0]``) if given."""
     rows = t.shape[0]
-    out = np.empty(rows, dtype=np.uint64)
+    out = _out(out, rows)
     if rows and t.numel():
         _hash(_bytes(t), t.numel() // rows * t.element_size(), out, threads)
     elif rows:
@@ -243,11 +244,21 @@ def hash_rows(t: torch.Tensor, threads: int | None = None) -> torch.Tensor:
     return torch.from_numpy(out.view(np.int64))
 
 
-def hash_chunks(t: torch.Tensor, chunk_bytes: int, threads: int | None = None) -> torch.Tensor:
+def _out(out: torch.Tensor | None, n: int) -> np.ndarray:
+    if out is None:
+        return np.empty(n, dtype=np.uint64)
+    if out.dtype != torch.int64 or out.shape != (n,) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous int64 tensor of {n} elements, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    return out.numpy().view(np.uint64)
+
+
+def hash_chunks(t: torch.Tensor, chunk_bytes: int, threads: int | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """XXH64 of every ``chunk_bytes`` piece of a CPU tensor's flat bytes (the last may be short),
-    on at most ``threads`` threads (None: ``torch.get_num_threads()``)."""
+    on at most ``threads`` threads (None: ``torch.get_num_threads()``), into ``out`` if given."""
     nbytes = t.numel() * t.element_size()
-    out = np.empty(-(-nbytes // chunk_bytes), dtype=np.uint64)
+    out = _out(out, -(-nbytes // chunk_bytes))
     if nbytes:
         _hash(_bytes(t), chunk_bytes, out, threads)
     return torch.from_numpy(out.view(np.int64))

@@ -133,7 +133,12 @@ class StepWriter:
             buf = self._pool.acquire((hi - lo) * row_bytes)
             out = buf.view(t.dtype).view(hi - lo, flat.shape[1])
             if t.device.type == "cpu":
-                torch.index_select(flat, 0, part, out=out)
+                # numpy's take runs on this thread: torch's index_select wakes its thread pool,
+                # and gathering 5,000 rows of 128 B took 7 ms that way with both cores busy
+                # elsewhere, 0.02 ms on one thread. The ids are checked rows of t, so no bounds
+                # check is needed ("clip").
+                np.take(flat.view(torch.uint8).numpy(), part.numpy(), axis=0,
+                        out=out.view(torch.uint8).numpy(), mode="clip")
             else:
                 out.copy_(flat.index_select(0, part.to(t.device)))
             if hash_into is not None:

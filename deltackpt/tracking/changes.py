@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .. import kernels  # type: ignore[attr-defined]  # installed from kernels/, see pyproject
@@ -137,7 +138,8 @@ class ChangeTracker:
             if ch.partial and ch.changed is not None:
                 ref = self._refs[key]
                 hashes = ch.hashes if ch.hashes is not None else self._hash_units(t, ch.changed)
-                ref.hashes[ch.changed] = hashes
+                # numpy, on this thread: torch's index_put wakes its thread pool, slow on a busy node
+                ref.hashes.numpy()[ch.changed.cpu().numpy()] = hashes.numpy()
                 refs[key] = ref
             else:
                 refs[key] = _Reference(t.dtype, tuple(t.shape),
@@ -208,8 +210,9 @@ class ChangeTracker:
             0, group.rows, (group.table.canary.sample_size(group.rows),), generator=self._rng
         )
         if ids.numel():
-            at = torch.searchsorted(ids, sample).clamp_(max=ids.numel() - 1)
-            sample = sample[ids[at] != sample]
+            # numpy, on this thread, as in adopt
+            at = np.searchsorted(ids.cpu().numpy(), sample.numpy()).clip(max=ids.numel() - 1)
+            sample = sample[ids.cpu()[at] != sample]
         missed = []
         for key, t in members.items():
             ref = self._refs.get(key)

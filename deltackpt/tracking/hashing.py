@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Executor
+from functools import partial
 
 import torch
 
 from .. import kernels
+from ..kernels import reference
 from ..kernels.reference import PARALLEL_MIN
 
 
@@ -21,8 +23,8 @@ class Hasher:
     """Row and chunk hashes on at most ``threads`` threads of ``executor``.
 
     A CPU tensor of at least ``2 * PARALLEL_MIN`` bytes is split into up to ``threads`` pieces
-    of at least ``PARALLEL_MIN`` bytes, hashed on the executor while the caller waits; anything
-    smaller, and every device tensor, is hashed on the calling thread.
+    of at least ``PARALLEL_MIN`` bytes, hashed on the executor into one result while the caller
+    waits; anything smaller is hashed on the calling thread, and a device tensor by its kernels.
 
     Args:
         executor: the save's worker threads; None hashes everything on the calling thread.
@@ -43,9 +45,11 @@ class Hasher:
         if pieces <= 1 or not t.shape[0]:
             return kernels.hash_rows(t, threads=1).cpu()
         t = t.contiguous()
+        out = torch.empty(t.shape[0], dtype=torch.int64)
         step = -(-t.shape[0] // pieces)
-        return self._gather([(kernels.hash_rows, t[lo : lo + step], ())
-                             for lo in range(0, t.shape[0], step)])
+        self._run([partial(reference.hash_rows, t[lo : lo + step], 1, out[lo : lo + step])
+                   for lo in range(0, t.shape[0], step)])
+        return out
 
     def chunks(self, t: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
         """Every ``chunk_bytes`` piece's hash of ``t``'s flat bytes (see
@@ -55,19 +59,23 @@ class Hasher:
             return kernels.hash_chunks(t, chunk_bytes, threads=1).cpu()
         flat = t.contiguous().reshape(-1)
         per_chunk = chunk_bytes // t.element_size()
-        chunks = -(-flat.numel() // per_chunk)
-        step = -(-chunks // pieces) * per_chunk  # pieces end on chunk boundaries
-        return self._gather([(kernels.hash_chunks, flat[lo : lo + step], (chunk_bytes,))
-                             for lo in range(0, flat.numel(), step)])
+        out = torch.empty(-(-flat.numel() // per_chunk), dtype=torch.int64)
+        step = -(-out.numel() // pieces)  # chunks a piece; pieces end on chunk boundaries
+        self._run([partial(reference.hash_chunks, flat[lo * per_chunk : (lo + step) * per_chunk],
+                           chunk_bytes, 1, out[lo : lo + step])
+                   for lo in range(0, out.numel(), step)])
+        return out
 
     def _pieces(self, t: torch.Tensor) -> int:
         if self._threads <= 1 or t.device.type != "cpu":
             return 1
         return min(self._threads, t.numel() * t.element_size() // PARALLEL_MIN)
 
-    def _gather(self, jobs: list[tuple[Callable[..., torch.Tensor], torch.Tensor, tuple[int, ...]]]
-                ) -> torch.Tensor:
+    def _run(self, jobs: list[Callable[[], torch.Tensor]]) -> None:
+        """Runs the pieces on the executor (each writes its slice of the result) and waits."""
         if self._executor is None:
-            return torch.cat([fn(piece, *args, threads=1) for fn, piece, args in jobs])
-        futures = [self._executor.submit(fn, piece, *args, threads=1) for fn, piece, args in jobs]
-        return torch.cat([f.result() for f in futures])
+            for job in jobs:
+                job()
+            return
+        for f in [self._executor.submit(job) for job in jobs]:
+            f.result()
