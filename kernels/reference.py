@@ -197,6 +197,8 @@ def _hash_pieces(b, piece, out):
         out[i] = _xxh64(b, start, min(piece, total - start))
 
 
+_NUMBA_THREADS: int = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]  # the most it runs
+
 # The same loops compiled for one thread (prange runs as range): no thread pool is woken.
 _hash_words_serial = njit(cache=True, nogil=True)(_hash_words.py_func)
 _hash_pieces_serial = njit(cache=True, nogil=True)(_hash_pieces.py_func)
@@ -205,7 +207,7 @@ _hash_pieces_serial = njit(cache=True, nogil=True)(_hash_pieces.py_func)
 def _hash(b: np.ndarray, piece: int, out: np.ndarray, threads: int | None) -> None:
     words = piece % 8 == 0 and b.shape[0] % 8 == 0 and b.ctypes.data % 8 == 0
     threads = torch.get_num_threads() if threads is None else threads
-    threads = min(threads, numba.config.NUMBA_NUM_THREADS, b.shape[0] // PARALLEL_MIN)
+    threads = min(threads, _NUMBA_THREADS, b.shape[0] // PARALLEL_MIN)
     if threads <= 1:
         if words:
             _hash_words_serial(b.view(np.uint64), piece, b.shape[0], out)
@@ -236,12 +238,12 @@ def hash_rows(t: torch.Tensor, threads: int | None = None, out: torch.Tensor | N
     ``threads`` threads (None: ``torch.get_num_threads()``; see :data:`PARALLEL_MIN`), into
     ``out`` (a contiguous int64 tensor of ``t.shape[0]``) if given."""
     rows = t.shape[0]
-    out = _out(out, rows)
+    result = _out(out, rows)
     if rows and t.numel():
-        _hash(_bytes(t), t.numel() // rows * t.element_size(), out, threads)
+        _hash(_bytes(t), t.numel() // rows * t.element_size(), result, threads)
     elif rows:
-        out[:] = _EMPTY_HASH
-    return torch.from_numpy(out.view(np.int64))
+        result[:] = _EMPTY_HASH
+    return torch.from_numpy(result.view(np.int64))
 
 
 def _out(out: torch.Tensor | None, n: int) -> np.ndarray:
@@ -258,10 +260,10 @@ def hash_chunks(t: torch.Tensor, chunk_bytes: int, threads: int | None = None,
     """XXH64 of every ``chunk_bytes`` piece of a CPU tensor's flat bytes (the last may be short),
     on at most ``threads`` threads (None: ``torch.get_num_threads()``), into ``out`` if given."""
     nbytes = t.numel() * t.element_size()
-    out = _out(out, -(-nbytes // chunk_bytes))
+    result = _out(out, -(-nbytes // chunk_bytes))
     if nbytes:
-        _hash(_bytes(t), chunk_bytes, out, threads)
-    return torch.from_numpy(out.view(np.int64))
+        _hash(_bytes(t), chunk_bytes, result, threads)
+    return torch.from_numpy(result.view(np.int64))
 
 
 @njit(cache=True, nogil=True)

@@ -110,7 +110,7 @@ class _Stream:
             buf, lo, hi, last = item
             try:
                 if hi > lo:
-                    yield memoryview(buf.numpy())[lo:hi]
+                    yield buf.numpy().data[lo:hi]
             finally:
                 if last:
                     self._pool.release(buf)

@@ -126,7 +126,7 @@ def fetch_file_in_pieces(storage: Storage, step: int, path: str, entry: Entry | 
     from one byte on) a piece at a time."""
     if entry is None:
         raise MissingChunkError(step, path)
-    view = memoryview(buf.numpy())
+    view = buf.numpy().data
     h = xxhash.xxh3_64()
     at = 0
     while True:

@@ -139,7 +139,7 @@ class LocalStorage:
         if buf is None:
             raw = np.empty(BOUNCE + BLOCK, np.uint8)
             start = -raw.ctypes.data % BLOCK
-            buf = self._local.bounce = memoryview(raw[start : start + BOUNCE])
+            buf = self._local.bounce = raw[start : start + BOUNCE].data
         return buf
 
     def _makedirs(self, folder: str) -> None:

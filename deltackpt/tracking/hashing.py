@@ -14,9 +14,7 @@ from functools import partial
 
 import torch
 
-from .. import kernels
-from ..kernels import reference
-from ..kernels.reference import PARALLEL_MIN
+from .. import kernels  # type: ignore[attr-defined]  # installed from kernels/, see pyproject
 
 
 class Hasher:
@@ -47,7 +45,7 @@ class Hasher:
         t = t.contiguous()
         out = torch.empty(t.shape[0], dtype=torch.int64)
         step = -(-t.shape[0] // pieces)
-        self._run([partial(reference.hash_rows, t[lo : lo + step], 1, out[lo : lo + step])
+        self._run([partial(kernels.reference.hash_rows, t[lo : lo + step], 1, out[lo : lo + step])
                    for lo in range(0, t.shape[0], step)])
         return out
 
@@ -61,7 +59,7 @@ class Hasher:
         per_chunk = chunk_bytes // t.element_size()
         out = torch.empty(-(-flat.numel() // per_chunk), dtype=torch.int64)
         step = -(-out.numel() // pieces)  # chunks a piece; pieces end on chunk boundaries
-        self._run([partial(reference.hash_chunks, flat[lo * per_chunk : (lo + step) * per_chunk],
+        self._run([partial(kernels.reference.hash_chunks, flat[lo * per_chunk : (lo + step) * per_chunk],
                            chunk_bytes, 1, out[lo : lo + step])
                    for lo in range(0, out.numel(), step)])
         return out
@@ -69,7 +67,7 @@ class Hasher:
     def _pieces(self, t: torch.Tensor) -> int:
         if self._threads <= 1 or t.device.type != "cpu":
             return 1
-        return min(self._threads, t.numel() * t.element_size() // PARALLEL_MIN)
+        return min(self._threads, t.numel() * t.element_size() // kernels.reference.PARALLEL_MIN)
 
     def _run(self, jobs: list[Callable[[], torch.Tensor]]) -> None:
         """Runs the pieces on the executor (each writes its slice of the result) and waits."""
