@@ -19,6 +19,7 @@ from concurrent.futures import Executor
 from dataclasses import replace
 from functools import partial
 
+import numpy as np
 import torch
 
 from ..format import dtypes
@@ -80,7 +81,12 @@ def _stage_whole(writer: StepWriter, pool: StagingPool, key: str, path: str, t: 
         buf = pool.acquire((hi - lo) * per_row * t.element_size())
         try:
             staged = buf.view(t.dtype).view(hi - lo, per_row)
-            staged.copy_(flat[lo:hi])
+            if t.device.type == "cpu":
+                # numpy, on this thread: torch's copy_ wakes its thread pool, and with the cores
+                # busy elsewhere it copied 32 MiB at 0.73 GB/s where numpy copied 2.8 GB/s.
+                np.copyto(buf.numpy(), flat[lo:hi].reshape(-1).view(torch.uint8).numpy())
+            else:
+                staged.copy_(flat[lo:hi])
         except BaseException:
             pool.release(buf)
             raise
