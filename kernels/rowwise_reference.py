@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import float32, njit, prange
+from numba import float32, njit, prange, uint8, uint64
 
 MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: (v + MAGIC) - MAGIC rounds v to an even tie
 HALF_MIN_NORMAL = 2.0**-14
@@ -90,22 +90,48 @@ def _greedy(x, i, lo, hi, levels):
     return best_lo, best_hi
 
 
+@njit(inline="always")
+def _pack(xr, cr, bias, inv, levels, bits):
+    # The codes of row xr into cr, packed low bits first; the loops are unrolled per bit width
+    # and indexed unsigned, so that they compile to vector code (a generic loop over the codes
+    # of a byte ran at a third of the speed).
+    width = xr.shape[0]
+    if bits == 8:
+        for j in range(width):
+            cr[uint64(j)] = uint8(_code(xr[uint64(j)], bias, inv, levels))
+        return
+    per = 8 // bits
+    full = width // per
+    for k in range(full):
+        p = uint64(k * per)
+        if bits == 4:
+            cr[uint64(k)] = (uint8(_code(xr[p], bias, inv, levels))
+                             | (uint8(_code(xr[p + uint64(1)], bias, inv, levels)) << uint8(4)))
+        else:
+            cr[uint64(k)] = (uint8(_code(xr[p], bias, inv, levels))
+                             | (uint8(_code(xr[p + uint64(1)], bias, inv, levels)) << uint8(2))
+                             | (uint8(_code(xr[p + uint64(2)], bias, inv, levels)) << uint8(4))
+                             | (uint8(_code(xr[p + uint64(3)], bias, inv, levels)) << uint8(6)))
+    if full * per < width:
+        byte = uint8(0)
+        for t in range(width - full * per):
+            byte |= uint8(_code(xr[uint64(full * per + t)], bias, inv, levels)) << uint8(t * bits)
+        cr[uint64(full)] = byte
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _quantize(x, bits, adaptive, half, out_eps, codes, scales, biases, bounds):
     levels = float32((1 << bits) - 1)
-    per = 8 // bits
-    width = x.shape[1]
     for i in prange(x.shape[0]):
-        mn = x[i, 0]
-        mx = x[i, 0]
-        finite = True
-        for j in range(width):
-            v = x[i, j]
-            if not math.isfinite(v):
-                finite = False
+        xr = x[i]
+        mn = xr[0]
+        mx = xr[0]
+        poison = float32(0.0)  # stays 0 unless the row holds inf or NaN (inf * 0 is NaN)
+        for v in xr:
             mn = min(mn, v)
             mx = max(mx, v)
-        if not finite:
+            poison += v * float32(0.0)
+        if poison != float32(0.0):
             bounds[i] = np.nan
             continue
         lo, hi = mn, mx
@@ -119,14 +145,7 @@ def _quantize(x, bits, adaptive, half, out_eps, codes, scales, biases, bounds):
         if not (math.isfinite(scale) and math.isfinite(bias)):
             bounds[i] = np.nan
             continue
-        inv = _inverse(scale)
-        for k in range(codes.shape[1]):
-            byte = 0
-            for t in range(per):
-                j = k * per + t
-                if j < width:
-                    byte |= int(_code(x[i, j], bias, inv, levels)) << (t * bits)
-            codes[i, k] = byte
+        _pack(xr, codes[i], bias, _inverse(scale), levels, bits)
         scales[i] = scale
         biases[i] = bias
         top = bias + scale * levels
