@@ -49,6 +49,7 @@ from .policy import (
     Intermittent,
 )
 from .rng import RngState
+from .quantization import ByRestores, QuantizationError, Rowwise
 from .sharding import Shard
 from .storage import Capabilities, LocalStorage, MemoryStorage, Storage, open_storage
 from .tracking.marks import Canary
@@ -57,6 +58,7 @@ from .tracking.rows import TrackHandle
 __all__ = [
     "BasePolicy",
     "BrokenChainError",
+    "ByRestores",
     "Canary",
     "Capabilities",
     "ChainLimit",
@@ -81,6 +83,7 @@ __all__ = [
     "MissingChunkError",
     "Retention",
     "RngState",
+from .quantization import ByRestores, QuantizationError, Rowwise
     "SaveInfo",
     "ShapeMismatchError",
     "Shard",
