@@ -2,11 +2,19 @@
 
 A quantized row is stored in torch's fused layout (``embedding_bag_byte_prepack`` and its 4-/2-bit
 siblings): the codes packed low bits first, then the scale, then the bias. The scale and bias are
-float32 at 8 bits and float16 at 4 and 2 bits, as torch does; measured on N(0, 0.01) rows 128 wide
-(``bench/bench_quant.py``), float16 at 8 bits would raise the worst error by up to a quarter of the
-bound (its rounding of the scale is 255 times 2**-11 of a step, of the bias up to 2**-11 of the
-row's offset), while at 4 and 2 bits it moves the error by under 1% and saves 4 of the 68 bytes of
-a 4-bit row, the margin of the ÷7 size goal. ``scale_dtype`` overrides the choice.
+float32 at 8 bits and float16 at 4 and 2 bits, as torch does. Measured with
+``bench/bench_quant.py`` on 128-wide rows: on N(0, 0.01) rows float16 moves the worst error by
+0.04% of the bound at every width, but on N(1, 0.01) rows (an offset far above the spread) the
+float16 bias, rounded to 2**-11 of the offset, puts the worst 8-bit error at 3.5 times the bound
+(4- and 2-bit steps are 17 and 85 times coarser and absorb it: 1.0004). So 8 bits pays 4 bytes a
+row for float32, and 4 and 2 bits save them (4 of the 68 bytes of a 4-bit row, the margin of the
+÷7 size goal). ``scale_dtype`` overrides the choice.
+
+torch's prepack ops encode 2-8 times faster on one core, but are not used: their 8-bit
+quantizer divides by ``range + 1e-8``, so a row whose range is near 1e-8 or below never reaches
+its top code, and on U(0, 1e-6) rows their worst error is 6.3 times the bound (``bench_quant.py``
+prints it); ours meets 2 GB/s a core, the goal, and its bound holds for every row. Their unpack
+ops read this layout, and decode about as fast as ours.
 
 Each row's bound is returned with it: every dequantized element lies within it of the input (see
 :mod:`deltackpt.kernels.rowwise_reference`). Rows with inf or NaN, or past float16's range with
