@@ -48,8 +48,8 @@ from .policy import (
     EveryK,
     Intermittent,
 )
-from .rng import RngState
 from .quantization import ByRestores, QuantizationError, Rowwise
+from .rng import RngState
 from .sharding import Shard
 from .storage import Capabilities, LocalStorage, MemoryStorage, Storage, open_storage
 from .tracking.marks import Canary
@@ -81,9 +81,10 @@ __all__ = [
     "ManifestError",
     "MemoryStorage",
     "MissingChunkError",
+    "QuantizationError",
     "Retention",
     "RngState",
-from .quantization import ByRestores, QuantizationError, Rowwise
+    "Rowwise",
     "SaveInfo",
     "ShapeMismatchError",
     "Shard",
