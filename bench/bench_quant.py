@@ -10,27 +10,42 @@ kernels  ``--rows`` x 128 float32 rows N(0, 0.01) (default 262,144 = 128 MiB), o
          the bound ``(max - min) / (2 (2^b - 1))`` and the RMS error, on N(0, 0.01) rows and on
          N(1, 0.01) rows (an offset far larger than the spread): why 8 bits keeps float32 scales
          and 4 and 2 bits take float16 ones. Best of ``--repeat`` runs.
-store    One float32 table (``--table-rows`` x 128) saved as a base then ``--deltas`` deltas that
-         each touch ``--touched`` of the rows (power-law ids), exact and quantized
-         (``quantize={"table": Rowwise(...)}``): bytes each delta writes per changed row, its
-         ratio to the exact delta's, and the worst restored error over the recorded bound.
+store    One float32 table (``--table-rows`` x 128, default 32 MiB) over ``--checkpoints`` saves
+         (default 200), the updates of ``bench/bench_chains.py`` (Zipf row ids, ~3 % of rows per
+         interval), per base-cadence policy, exact and quantized (``quantize={"emb":
+         Rowwise(...)}``; bases exact): bytes a delta writes per changed row and its ratio to
+         the exact delta's, bytes written, bytes on disk, capacity against full checkpoints
+         (``checkpoints x table`` over the bytes on disk), and the last step's worst restored
+         error over its recorded chain bound (checked to be at most 1).
+dlrm     The example DLRM on the Criteo-like stream, trained ``--dlrm-steps`` saving every 2
+         steps; it fails 1, 3 or 10 times and resumes from the latest step each time (a fresh
+         model, restored): evaluation loss (16 held-out batches) relative to the same run with
+         exact steps, at 8, 4 (adaptive) and 2 (adaptive) bits. Reported, not asserted.
 
 Example:
     python bench/bench_quant.py
     python bench/bench_quant.py --parts kernels --rows 1048576
+    python bench/bench_quant.py --parts store --checkpoints 50
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 
 import numba
 import torch
 
+from deltackpt import Checkpointer, Rowwise
 from deltackpt.kernels import rowwise
+from deltackpt.policy import EveryK, Intermittent
+
+INCREMENTAL_POLICY = EveryK(10**9, max_delta_fraction=1.0)  # one base, then deltas only
 
 WIDTH = 128
 
@@ -39,10 +54,14 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=262_144, help="rows of the kernels part")
     p.add_argument("--repeat", type=int, default=5, help="timed runs; the best is reported")
-    p.add_argument("--table-rows", type=int, default=200_000, help="rows of the store part's table")
-    p.add_argument("--deltas", type=int, default=5, help="deltas of the store part")
-    p.add_argument("--touched", type=float, default=0.05, help="fraction of rows a delta changes")
-    p.add_argument("--parts", default="kernels,store", help="comma-separated parts to run")
+    p.add_argument("--table-rows", type=int, default=65_536, help="rows of the store part's table")
+    p.add_argument("--checkpoints", type=int, default=200, help="saves of the store part")
+    p.add_argument("--touched", type=float, default=0.03, help="share of rows an interval touches")
+    p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the row ids")
+    p.add_argument("--dlrm-scale", type=float, default=0.001, help="Criteo table scale of the DLRM part")
+    p.add_argument("--dlrm-steps", type=int, default=44, help="training steps of the DLRM part")
+    p.add_argument("--parts", default="kernels,store,dlrm", help="comma-separated parts to run")
+    p.add_argument("--dir", default="/tmp", help="folder for the scratch stores")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -111,11 +130,100 @@ def run_kernels(args: argparse.Namespace) -> None:
             print(f"  N({offset:g}, 0.01) {bits}-bit  " + "  |  ".join(cells))
 
 
-def run_store(args: argparse.Namespace) -> None:
-    import deltackpt
-    from deltackpt.datasets import PowerLaw  # noqa: F401 - the power-law row ids
+QUANTIZE = [("exact", None), ("8-bit", Rowwise(bits=8)), ("4-bit adaptive", Rowwise(bits=4, adaptive=True)),
+            ("2-bit adaptive", Rowwise(bits=2, adaptive=True))]
 
-    raise NotImplementedError
+
+def run_store(args: argparse.Namespace, scratch: str) -> None:
+    """Bytes per changed row of a delta, and capacity over ``--checkpoints`` saves, per policy."""
+    from bench_chains import INCREMENTAL, Workload, disk_usage  # bench/bench_chains.py
+
+    w = Workload(args.table_rows, WIDTH, args.zipf, args.touched, args.seed)
+    n = args.checkpoints
+    full = args.table_rows * WIDTH * 4
+    print(f"\nstore: {args.table_rows:,} x {WIDTH} float32 ({full / 2**20:.1f} MiB), {n} checkpoints, "
+          f"~{100 * args.touched:g} % of rows touched per interval (Zipf {args.zipf}); capacity = "
+          f"{n} full checkpoints / bytes on disk after the run; bases are always exact")
+    print(f"{'policy':<26} {'deltas':<15} {'B/changed row':>13} {'vs exact':>8} {'written MiB':>11} "
+          f"{'disk MiB':>9} {'capacity':>9} {'max err/bound':>13}")
+    ids = [None] + [w.ids(i) for i in range(1, n)]
+    policies = [("incremental only", INCREMENTAL), ("Intermittent(1.0)", Intermittent(1.0)),
+                ("EveryK(50)", EveryK(50))]
+    for pname, policy in policies:
+        exact_per_row = None
+        for qname, rule in QUANTIZE:
+            path = os.path.join(scratch, f"{pname}-{qname}".replace(" ", "_"))
+            table = w.table()
+            written = 0
+            delta_bytes = delta_rows = 0
+            with Checkpointer(path, policy=policy, quantize={"emb": rule} if rule else None) as ckpt:
+                for step in range(n):
+                    if step:
+                        w.update(table, step, ids[step])
+                    info = ckpt.save(step, {"emb": table})
+                    written += info.bytes_written
+                    if info.kind == "delta":
+                        delta_bytes += info.bytes_written
+                        delta_rows += info.rows_changed
+                got = ckpt.load(n - 1)["emb"]
+                bound = ckpt.store.manifest(n - 1).tensors["emb"].lossy
+            err = float((got - table).abs().max())
+            ratio = err / bound.chain_bound if bound else (0.0 if err == 0 else float("inf"))
+            if rule is None and err:
+                raise AssertionError(f"{pname}: the exact store restored with an error of {err}")
+            if ratio > 1:
+                raise AssertionError(f"{pname} {qname}: error {err} beyond the recorded bound")
+            per_row = delta_bytes / max(1, delta_rows)
+            exact_per_row = exact_per_row or per_row
+            disk = disk_usage(path)[0]
+            print(f"{pname:<26} {qname:<15} {per_row:>13.1f} {exact_per_row / per_row:>7.2f}x "
+                  f"{written / 2**20:>11.1f} {disk / 2**20:>9.1f} {n * full / disk:>8.1f}x {ratio:>13.3f}",
+                  flush=True)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def run_dlrm(args: argparse.Namespace, scratch: str) -> None:
+    """Evaluation loss of a DLRM run that fails and resumes from its latest (quantized) step
+    1, 3 or 10 times, against the same run resumed from exact steps (which matches the run with
+    no failure bit for bit)."""
+    from deltackpt.datasets import CriteoConfig
+    from deltackpt.examples import deterministic, dlrm_run, train
+
+    warnings.filterwarnings("ignore", message="Sparse invariant checks")  # Adagrad's, once
+    data = CriteoConfig(scale=args.dlrm_scale, batch_size=128)
+    shapes = {"embedding_dim": 16, "bottom_mlp": (32, 16), "top_mlp": (32,)}
+    steps, every = args.dlrm_steps, 2
+
+    def run(rule: Rowwise | None, restores: int) -> tuple[float, int]:
+        path = os.path.join(scratch, f"dlrm-{rule.scheme if rule else 'exact'}-{restores}")
+        fail_at = {round(steps * (i + 1) / (restores + 1)) // every * every for i in range(restores)}
+        with deterministic(0, threads=1):
+            state, loss = dlrm_run(data, **shapes)
+            quantize = {"model/emb*": rule} if rule else None
+            with Checkpointer(path, policy=INCREMENTAL_POLICY, quantize=quantize) as ckpt:
+                while state.step < steps:
+                    train(state, loss, state.step + every)
+                    ckpt.save(state.step, state)
+                    if state.step in fail_at:  # a failure: a fresh model resumes from this step
+                        fresh, loss = dlrm_run(data, seed=state.step, **shapes)
+                        ckpt.restore(fresh, state.step)
+                        state = fresh
+            with torch.no_grad():
+                value = sum(float(loss(10**6 + i)) for i in range(16)) / 16
+        shutil.rmtree(path, ignore_errors=True)
+        return value, len(fail_at)
+
+    print(f"\nDLRM on the Criteo-like stream (scale {args.dlrm_scale}, {steps} steps, a save every "
+          f"{every}): evaluation loss after failing and resuming from the latest step, relative "
+          f"to resuming from exact steps")
+    exact, _ = run(None, 0)
+    print(f"  exact: {exact:.6f}")
+    for rule in (Rowwise(8), Rowwise(4, adaptive=True), Rowwise(2, adaptive=True)):
+        cells = []
+        for restores in (1, 3, 10):
+            got, made = run(rule, restores)
+            cells.append(f"{made} restores {100 * (got - exact) / exact:+.4f} %")
+        print(f"  {rule.scheme:<10} " + ", ".join(cells), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,9 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     parts = args.parts.split(",")
     if "kernels" in parts:
         run_kernels(args)
-    if "store" in parts:
-        with tempfile.TemporaryDirectory():
-            run_store(args)
+    with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
+        if "store" in parts:
+            run_store(args, scratch)
+        if "dlrm" in parts:
+            run_dlrm(args, scratch)
     return 0
 
 

@@ -46,6 +46,7 @@ from .ops.compaction import CompactInfo, compact
 from .ops.gc import GCReport, Retention, collect
 from .ops.verify import VerifyReport, verify
 from .policy import BasePolicy, ChainState, EveryK
+from .quantization import QuantizePlan, Rule
 from .restore.load import read_step
 from .restore.planning import RestorePlan, fill, plan_restore
 from .save.commit import commit
@@ -90,6 +91,7 @@ class Checkpointer:
             by default a second writer fails with WriterConflictError at its first save.
         storage_options: settings for the backend ``path`` names (see
             :func:`~deltackpt.storage.open_storage`).
+        quantize: opt-in lossy deltas, ``{fnmatch pattern: Rowwise(...)}`` (:mod:`.quantization`).
 
     Example:
         >>> import tempfile, torch
@@ -118,6 +120,7 @@ class Checkpointer:
         create: bool = True,
         take_over: bool = False,
         storage_options: Mapping[str, Any] | None = None,
+        quantize: Mapping[str, Rule] | None = None,
     ):
         threads = torch.get_num_threads() if threads is None else threads
         for name, value in (("chunk_bytes", chunk_bytes), ("dense_chunk_bytes", dense_chunk_bytes),
@@ -125,10 +128,10 @@ class Checkpointer:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if memory_budget < 2 * chunk_bytes:
-            raise ValueError(
-                f"memory_budget ({memory_budget}) must hold at least two chunks of {chunk_bytes} B"
-            )
+            raise ValueError(f"memory_budget ({memory_budget}) must hold at least two chunks "
+                             f"of {chunk_bytes} B")
         self.policy: BasePolicy = policy if policy is not None else EveryK(base_every)
+        self._quantize = QuantizePlan(quantize)  # and the restores made, carried through records
         self._coll = Collective(process_group, timeout=timeout, coordinator_rank=coordinator_rank)
         self.store = Store(open_storage(path, storage_options))
         if self._coll.size > 1 and not self.store.storage.capabilities.shared:
@@ -138,8 +141,7 @@ class Checkpointer:
             self._coll.one("open", self.store.create)
         self.store.check_exists()
         self._sizes = (chunk_bytes, dense_chunk_bytes)
-        self._pool = StagingPool(memory_budget // chunk_bytes, chunk_bytes,
-                                 pin=torch.cuda.is_available())
+        self._pool = StagingPool(memory_budget // chunk_bytes, chunk_bytes, pin=torch.cuda.is_available())
         workers = min(io_threads, threads)
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="deltackpt-io")
         self._tracker = ChangeTracker(dense_chunk_bytes, Hasher(self._executor, workers))
@@ -200,10 +202,10 @@ class Checkpointer:
         plan = self._global_plan(sent)
         self._sent_digest = local.digest
         items = write_items(plan, self.rank, local)
-        scans, changes = self._coll.each("scan", lambda: scan(self._tracker, items))
+        scans, changes = self._coll.each("scan", lambda: scan(self._tracker, items, self._quantize))
         save = self._coll.one("decide", lambda: decide(
             self.policy, self._head, self._chain, plan, [s for per_rank in scans for s in per_rank],
-            step=step, attempt=self.store.new_attempt(step)))
+            step=step, attempt=self.store.new_attempt(step), quantize=self._quantize.choices(plan.tensors)))
         writers = [open_writer(storage, save, self.rank, self._pool, self._executor)]
         if self._coll.is_coordinator:
             writers.append(StepWriter(storage, f"{STEPS}/{save.attempt}", self._pool, self._executor))
@@ -215,8 +217,8 @@ class Checkpointer:
 
         results, staged = self._coll.each("write", stage_and_write)
         manifest = self._coll.one("commit", lambda: commit(
-            self.store, save, results, head=self._head, world_size=self.world_size,
-            policy=self.policy.name, sizes=self._sizes, lease=self._lease))
+            self.store, save, results, head=self._head, world_size=self.world_size, sizes=self._sizes,
+            policy=self.policy.name, lease=self._lease, restores=self._quantize.recorded_restores))
         self._advance(save.kind, manifest, {it.key: it.tensor for it in items}, staged)
         rows = sum(r.changed for r in manifest.tensors.values() if len(r.shape) >= 2)
         info = SaveInfo(step, save.kind, manifest.bytes_written, manifest.state_bytes, rows,
@@ -329,6 +331,7 @@ class Checkpointer:
 
         self._coll.all("restore_read", read)
         self._head = m
+        self._quantize.restored(m.quantize)
         self._chain = ChainState(m.chain_length, sum(c.bytes_written for c in chain[1:]),
                                  chain[0].bytes_written)
         return m.step

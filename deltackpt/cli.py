@@ -62,7 +62,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             "step": step, "kind": m.kind, "parent": m.parent, "base": m.base,
             "chain_length": m.chain_length, "restore_chain": chain,
             "bytes_written": m.bytes_written, "state_bytes": m.state_bytes,
-            "world_size": m.world_size, "created": m.created,
+            "world_size": m.world_size, "created": m.created, "lossy": m.lossy,
         })
     if args.json:
         _print_json(rows)
@@ -71,7 +71,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"no committed steps in {store.storage.url}")
         return 0
     print(f"{'step':>10} {'kind':<7} {'parent':>10} {'restores from':>15} {'written':>11} "
-          f"{'of state':>11} world")
+          f"{'of state':>11} world  values")
     for r in rows:
         if r["kind"] == "corrupt":
             print(f"{r['step']:>10} corrupt  {r['error']}")
@@ -80,7 +80,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         chain = r["restore_chain"]
         start = "broken chain" if chain is None else f"{chain[0]} (+{len(chain) - 1})"
         print(f"{r['step']:>10} {r['kind']:<7} {parent:>10} {start:>15} "
-              f"{fmt_bytes(r['bytes_written']):>11} {fmt_bytes(r['state_bytes']):>11} {r['world_size']:>5}")
+              f"{fmt_bytes(r['bytes_written']):>11} {fmt_bytes(r['state_bytes']):>11} {r['world_size']:>5}  "
+              f"{'lossy' if r['lossy'] else 'exact'}")
     return 0
 
 
@@ -96,10 +97,16 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"step {m.step}: {m.kind}, chain {' -> '.join(map(str, chain))}, "
           f"{fmt_bytes(m.bytes_written)} written of a {fmt_bytes(m.state_bytes)} state")
     print(f"policy {m.policy.get('name')}: {m.policy.get('reason')}")
-    print(f"{'tensor':<40} {'dtype':<9} {'shape':<18} {'encoding':<8} {'changed':>9} {'bytes':>11}")
+    if m.lossy:
+        print("lossy: restored values of the tensors marked below lie within their bound of those saved")
+    for key, choice in (m.quantize or {}).get("tensors", {}).items():
+        print(f"quantize {key}: {choice['scheme']} by {choice['pattern']!r}: {choice['reason']}")
+    print(f"{'tensor':<40} {'dtype':<9} {'shape':<18} {'encoding':<8} {'changed':>9} {'bytes':>11}  values")
     for key, rec in m.tensors.items():
+        loss = "exact" if rec.lossy is None else (
+            f"{rec.lossy.scheme or 'lossy'}, bound {rec.lossy.bound:.3g}, chain bound {rec.lossy.chain_bound:.3g}")
         print(f"{key:<40} {rec.dtype:<9} {str(list(rec.shape)):<18} {rec.encoding:<8} "
-              f"{rec.changed:>9} {fmt_bytes(rec.nbytes_written):>11}")
+              f"{rec.changed:>9} {fmt_bytes(rec.nbytes_written):>11}  {loss}")
         if args.chunks:
             for part in rec.parts:
                 for name, entry in part.chunks.items():

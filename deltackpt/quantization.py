@@ -25,8 +25,9 @@ Example:
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -123,7 +124,7 @@ class ByRestores:
         plan = self.expected
         if restores >= plan:
             plan = restores + 1
-            why = f"{restores} restores so far exceed the {self.expected} expected; planning for {plan}"
+            why = f"{restores} restores so far use up the {self.expected} expected; planning for {plan}"
         else:
             why = f"{restores} of {plan} expected restores so far"
         for upto, rule in RESTORE_TIERS:
@@ -147,8 +148,20 @@ class Choice:
         return {"pattern": self.pattern, "scheme": self.rule.scheme, "reason": self.reason}
 
 
+class TensorInfo(Protocol):
+    """What a rule needs to know of a tensor (a save plan's tensor has it)."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def global_shape(self) -> tuple[int, ...]: ...
+
+
 class QuantizePlan:
-    """The ``quantize=`` argument of a Checkpointer, checked: patterns over flat tensor keys.
+    """The ``quantize=`` argument of a Checkpointer, checked (patterns over flat tensor keys),
+    and the restores the run has made (:class:`ByRestores` chooses by them).
 
     Args:
         rules: ``{fnmatch pattern: Rowwise | ByRestores}``, or None for an exact store.
@@ -157,7 +170,7 @@ class QuantizePlan:
         QuantizationError: a pattern that is not a string or a rule of another type.
     """
 
-    def __init__(self, rules: dict[str, Rule] | None):
+    def __init__(self, rules: Mapping[str, Rule] | None):
         rules = dict(rules or {})
         for pattern, rule in rules.items():
             if not isinstance(pattern, str) or not pattern:
@@ -166,9 +179,33 @@ class QuantizePlan:
                 raise QuantizationError(f"quantize[{pattern!r}] must be deltackpt.Rowwise or "
                                         f"deltackpt.ByRestores, got {rule!r}")
         self.rules = rules
+        self.restores = 0
 
     def __bool__(self) -> bool:
         return bool(self.rules)
+
+    @property
+    def recorded_restores(self) -> int | None:
+        """What a record keeps of the restores: the count, or None for a store without rules."""
+        return self.restores if self.rules else None
+
+    def restored(self, record: dict[str, Any] | None) -> None:
+        """After a restore of a step with record field ``quantize``: its count plus this one."""
+        self.restores = (record or {}).get("restores", 0) + 1
+
+    def choices(self, tensors: Mapping[str, TensorInfo]) -> dict[str, Choice]:
+        """The rule of each tensor (by flat key) a pattern names, chosen with the restores so far.
+
+        Raises:
+            QuantizationError: a pattern names a tensor that cannot be quantized row-wise.
+        """
+        out = {}
+        for t in tensors.values():
+            choice = self.choose(t.key, restores=self.restores)
+            if choice is not None:
+                quantizable(t.key, t.dtype, t.global_shape)
+                out[t.key] = choice
+        return out
 
     def choose(self, key: str, *, restores: int) -> Choice | None:
         """The rule for tensor ``key`` (first matching pattern), or None: stored exactly."""
@@ -181,13 +218,14 @@ class QuantizePlan:
         return None
 
 
-def quantizable(key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    """Checks that a tensor a rule names can be quantized row-wise.
+def quantizable(key: str, dtype: torch.dtype | str, shape: tuple[int, ...]) -> None:
+    """Checks that a tensor a rule names (of a torch dtype, or its name) can be quantized row-wise.
 
     Raises:
         QuantizationError: not a float32/bfloat16/float16 tensor of two or more dimensions.
     """
-    if dtype not in rowwise.FLOATS or len(shape) < 2:
+    floats = [*rowwise.FLOATS, *(str(d).removeprefix("torch.") for d in rowwise.FLOATS)]
+    if dtype not in floats or len(shape) < 2:
         raise QuantizationError(f"quantize names {key!r}, a {dtype} tensor of shape {list(shape)}: "
                                 f"row-wise quantization needs float32/bfloat16/float16 rows "
                                 f"(two or more dimensions)")

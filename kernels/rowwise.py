@@ -34,17 +34,29 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from types import ModuleType
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from . import rowwise_reference
 
+T = TypeVar("T")
 BITS = (8, 4, 2)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # Half the spacing of the output dtype relative to a value: the rounding of a decoded element.
 _OUT_EPS = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+class RowError(ValueError):
+    """A row that cannot be quantized; ``row`` is its index, ``reason`` says why."""
+
+    def __init__(self, row: int, reason: str):
+        super().__init__(f"row {row} {reason}")
+        self.row = row
+        self.reason = reason
 
 
 def default_scale_dtype(bits: int) -> torch.dtype:
@@ -73,15 +85,17 @@ def _triton() -> ModuleType | None:
     return rowwise_triton
 
 
-def _use_triton(t: torch.Tensor, backend: str) -> bool:
+def _triton_for(t: torch.Tensor, backend: str) -> ModuleType | None:
+    """The Triton kernels' module if ``backend`` picks them for ``t``, else None (the reference)."""
     if backend == "triton":
-        if _triton() is None:
+        mod = _triton()
+        if mod is None:
             raise RuntimeError("backend='triton' needs the triton package, which is not importable")
-        return True
+        return mod
     if backend == "auto":
-        return t.device.type == "cuda" and _triton() is not None
+        return _triton() if t.device.type == "cuda" else None
     if backend == "torch":
-        return False
+        return None
     raise ValueError(f"backend must be one of ('auto', 'triton', 'torch'), got {backend!r}")
 
 
@@ -90,9 +104,9 @@ def _refuse(x: torch.Tensor, bounds: torch.Tensor) -> None:
     if bad.numel():
         i = int(bad[0])
         if not bool(torch.isfinite(x[i]).all()):
-            raise ValueError(f"row {i} holds inf or NaN, which row-wise quantization cannot store")
-        raise ValueError(f"row {i} spans [{float(x[i].min())}, {float(x[i].max())}], past the "
-                         f"range of a float16 scale and bias: use a float32 scale")
+            raise RowError(i, "holds inf or NaN, which row-wise quantization cannot store")
+        raise RowError(i, f"spans [{float(x[i].min())}, {float(x[i].max())}], past the range of "
+                          f"a float16 scale and bias: use a float32 scale")
 
 
 def quantize_rows(x: torch.Tensor, bits: int, *, adaptive: bool = False,
@@ -114,8 +128,9 @@ def quantize_rows(x: torch.Tensor, bits: int, *, adaptive: bool = False,
         ``[rows]``, each row's bound on ``|decoded - x|`` after decoding to ``x.dtype``.
 
     Raises:
-        ValueError: a bad argument, or a row that cannot be stored (inf or NaN, or past float16's
-            range with a float16 scale), named by its index.
+        ValueError: a bad argument.
+        RowError: a row that cannot be stored (inf or NaN, or past float16's range with a
+            float16 scale), named by its index.
     """
     scale_dtype = scale_dtype or default_scale_dtype(bits)
     check(bits, scale_dtype)
@@ -125,9 +140,9 @@ def quantize_rows(x: torch.Tensor, bits: int, *, adaptive: bool = False,
     half = scale_dtype == torch.float16
     flat = x.detach().reshape(x.shape[0], math.prod(x.shape[1:]))
     width = flat.shape[1]
-    if _use_triton(flat, backend):
-        packed, bounds = _triton().quantize(flat.contiguous(), bits, adaptive, half,
-                                            _OUT_EPS[x.dtype])
+    tk = _triton_for(flat, backend)
+    if tk is not None:
+        packed, bounds = tk.quantize(flat.contiguous(), bits, adaptive, half, _OUT_EPS[x.dtype])
     else:
         host = flat.to("cpu", torch.float32).contiguous()
         codes, scales, biases, b = _threads_kept(
@@ -162,8 +177,10 @@ def dequantize_rows(packed: torch.Tensor, bits: int, width: int, dtype: torch.dt
     if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] != rb:
         raise ValueError(f"packed rows of {width} elements at {bits} bits are uint8 [rows, {rb}], "
                          f"got {packed.dtype} of shape {tuple(packed.shape)}")
-    if _use_triton(packed, backend):
-        return _triton().dequantize(packed.contiguous(), bits, width, scale_dtype).to(dtype)
+    tk = _triton_for(packed, backend)
+    if tk is not None:
+        decoded: torch.Tensor = tk.dequantize(packed.contiguous(), bits, width, scale_dtype)
+        return decoded.to(dtype)
     host = packed.cpu().contiguous().numpy()
     n = rb - 2 * scale_dtype.itemsize
     sd = np.float16 if scale_dtype == torch.float16 else np.float32
@@ -175,7 +192,7 @@ def dequantize_rows(packed: torch.Tensor, bits: int, width: int, dtype: torch.dt
     return torch.from_numpy(out).to(packed.device, dtype)
 
 
-def _threads_kept(fn):  # type: ignore[no-untyped-def]
+def _threads_kept(fn: Callable[[], T]) -> T:
     # numba's OpenMP layer resets the OpenMP thread count torch uses: put it back, or training
     # would silently change thread count (and bits) after a save.
     threads = torch.get_num_threads()

@@ -37,6 +37,7 @@ from ..datasets import CriteoConfig
 from ..errors import DeltackptError
 from ..format import dtypes
 from ..hooks import CheckpointHook
+from ..quantization import Rowwise
 from ..sharding import Shard, row_block
 from . import SPARSE_OPTIMIZERS, deterministic, dlrm_run, train
 from . import demo_report as report
@@ -75,6 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--optimizer", choices=SPARSE_OPTIMIZERS, default="adagrad",
         help="optimizer of the embedding tables (default adagrad; the MLPs use Adam)")
     opt("--seed", type=int, default=0, metavar="N", help="seed of data and model (default 0)")
+    opt("--quantize", type=int, choices=(8, 4, 2), default=None, metavar="BITS",
+        help="also train the same run with the embedding rows its deltas write quantized to "
+             "BITS bits (8, 4 or 2; row-wise, adaptive range below 8), check a restore of it "
+             "against the bound its record gives, and plot its bytes beside the exact run's")
     opt("--json", action="store_true", help="print one JSON object per line")
 
 
@@ -168,8 +173,10 @@ def run_demo(args: argparse.Namespace) -> int:
         ranks_ok = all(r.get("ok") for r in ranks)
         out.restored(pick, chain, saves, ranks, ranks_ok, time.perf_counter() - t0)
         resumed = resume(data, args, shapes, store, pick, kept, final, out)
-    report.plot_bytes(plot_path, saves, args)
-    ok = ranks_ok and resumed["ok"]
+        lossy = (quantized_run(data, args, shapes, os.path.join(run_dir, f"store-q{args.quantize}"),
+                               pick, out) if args.quantize else None)
+    report.plot_bytes(plot_path, saves, args, quantized=lossy["saves"] if lossy else None)
+    ok = ranks_ok and resumed["ok"] and (lossy is None or lossy["ok"])
     out.done(store, plot_path, ok, time.perf_counter() - t_start)
     if not ok:
         print("deltackpt: error: a restored state differs from the state saved (see above)",
@@ -179,9 +186,10 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def train_with_checkpoints(
     data: CriteoConfig, args: argparse.Namespace, shapes: dict[str, Any], store: str, pick: int,
-    out: report.Output,
+    out: report.Output, quantize: dict[str, Rowwise] | None = None,
 ) -> tuple[list[dict[str, Any]], list[Snapshot], Snapshot, list[int]]:
-    """The uninterrupted run, saving every ``args.every`` steps through the hook.
+    """The uninterrupted run, saving every ``args.every`` steps through the hook (with
+    ``quantize``, the Checkpointer's quantization rules).
 
     Returns:
         The checkpoints' reports, a list holding a copy of the state saved at ``pick``, a copy
@@ -195,7 +203,7 @@ def train_with_checkpoints(
     saves: list[dict[str, Any]] = []
     kept: list[Snapshot] = []
     t0 = time.perf_counter()
-    with Checkpointer(store, base_every=args.base_every) as ckpt:
+    with Checkpointer(store, base_every=args.base_every, quantize=quantize) as ckpt:
         def on_save(info: SaveInfo) -> None:
             if info.step == pick:
                 kept.append(snapshot(state))
@@ -210,6 +218,34 @@ def train_with_checkpoints(
         chain = [m.step for m in ckpt.store.chain(pick)]
     out.trained(args.steps, time.perf_counter() - t0, saves)
     return saves, kept, snapshot(state), chain
+
+
+def quantized_run(data: CriteoConfig, args: argparse.Namespace, shapes: dict[str, Any], store: str,
+                  pick: int, out: report.Output) -> dict[str, Any]:
+    """The same run with its deltas' embedding rows quantized to ``args.quantize`` bits, then a
+    restore of ``pick`` into a model from another seed, checked against the state saved there:
+    each tensor within the chain bound its record gives (bit for bit where it gives none)."""
+    rule = Rowwise(bits=args.quantize, adaptive=args.quantize < 8)
+    saves, kept, _, _ = train_with_checkpoints(data, args, shapes, store, pick, out,
+                                               quantize={"model/embeddings.*": rule})
+    state, _ = dlrm_run(data, sparse_optimizer=args.optimizer, seed=args.seed + 1, **shapes)
+    with Checkpointer(store, create=False) as ckpt:
+        ckpt.restore(state, pick)
+        record = ckpt.store.manifest(pick)
+    (got, got_tree), (want, want_tree) = snapshot(state, copy=False), kept.pop()
+    worst, bound, bad = 0.0, 0.0, [] if got_tree == want_tree else ["<skeleton>"]
+    for key, rec in record.tensors.items():
+        if rec.lossy is None:
+            bad += [] if same_bits(got[key], want[key]) else [key]
+            continue
+        err = float((got[key].double() - want[key].double()).abs().max()) if got[key].numel() else 0.0
+        worst, bound = max(worst, err), max(bound, rec.lossy.chain_bound)
+        bad += [] if err <= rec.lossy.chain_bound else [key]
+    result = {"scheme": rule.scheme, "step": pick, "lossy_tensors": sum(
+        r.lossy is not None for r in record.tensors.values()), "worst_error": worst,
+        "bound": bound, "out_of_bound": bad, "ok": not bad, "saves": saves}
+    out.quantized(result)
+    return result
 
 
 class _DemoHook(CheckpointHook):

@@ -123,6 +123,25 @@ class Output:
             f"{r['restore_seconds']:.2f} s: {at}",
             f"resumed training to step {r['until']} in {r['train_seconds']:.1f} s: {end}"])
 
+    def quantized(self, result: dict[str, Any]) -> None:
+        saves = result["saves"]
+        written = sum(s["bytes_written"] for s in saves)
+        full = sum(s["full_bytes"] for s in saves)
+        deltas = [s for s in saves if s["kind"] == "delta"]
+        ratio = sum(s["full_bytes"] for s in deltas) / max(1, sum(s["bytes_written"] for s in deltas))
+        doc = {k: v for k, v in result.items() if k != "saves"}
+        doc.update(bytes_written=written, full_bytes=full)
+        verdict = ("within the bound" if result["ok"]
+                   else f"OUT OF BOUND: {', '.join(result['out_of_bound'])}")
+        self._emit("quantized", doc, [
+            "",
+            f"with {result['scheme']} deltas (bases exact): wrote {fmt_bytes(written)} where full "
+            f"checkpoints write {fmt_bytes(full)} ({full / max(1, written):.1f}x less); a delta "
+            f"writes {ratio:.1f}x less than a full checkpoint on average",
+            f"restored step {result['step']}: {result['lossy_tensors']} lossy tensors, worst error "
+            f"{result['worst_error']:.3g}, recorded bound {result['bound']:.3g}: {verdict}; every "
+            f"other tensor bit for bit"])
+
     def done(self, store: str, plot: str, ok: bool, seconds: float) -> None:
         self._emit("done", {"store": store, "plot": plot, "bit_exact": ok,
                             "seconds": round(seconds, 3)}, [
@@ -132,8 +151,10 @@ class Output:
             f"{'all checks passed' if ok else 'CHECKS FAILED'} in {seconds:.1f} s"])
 
 
-def plot_bytes(path: str, saves: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    """Bytes written per checkpoint against a full checkpoint, and their running totals, as a PNG.
+def plot_bytes(path: str, saves: list[dict[str, Any]], args: argparse.Namespace,
+               quantized: list[dict[str, Any]] | None = None) -> None:
+    """Bytes written per checkpoint against a full checkpoint, and their running totals, as a PNG;
+    with ``quantized``, the same run's checkpoints with quantized deltas beside them.
 
     Uses matplotlib's Agg canvas directly, leaving pyplot and the global backend alone.
     """
@@ -172,8 +193,10 @@ def plot_bytes(path: str, saves: list[dict[str, Any]], args: argparse.Namespace)
     left.set_title("bytes per checkpoint (delta: x times smaller than full)")
     left.legend(handles=[Patch(color="tab:blue", label="base (full)"),
                          Patch(color="tab:orange", label="delta (changed rows and chunks)"),
-                         Line2D([], [], color="black", linestyle="--", label="a full checkpoint")],
-                loc="upper center", ncols=3, fontsize=8)
+                         Line2D([], [], color="black", linestyle="--", label="a full checkpoint"),
+                         *([Line2D([], [], color="tab:red", marker="_", linestyle="",
+                                   label=f"{args.quantize}-bit deltas")] if quantized else [])],
+                loc="upper center", ncols=4 if quantized else 3, fontsize=8)
     total_w, total_f, acc_w, acc_f = [], [], 0.0, 0.0
     for w, f in zip(written, full):
         acc_w, acc_f = acc_w + w, acc_f + f
@@ -183,6 +206,14 @@ def plot_bytes(path: str, saves: list[dict[str, Any]], args: argparse.Namespace)
                label="full checkpoints")
     right.plot(steps, total_w, marker="o", markersize=3, color="tab:orange",
                label="deltackpt (bases + deltas)")
+    if quantized:
+        q_steps = [s["step"] for s in quantized]
+        q_written = [s["bytes_written"] / mib for s in quantized]
+        left.scatter(q_steps, q_written, marker="_", s=120, color="tab:red", zorder=3)
+        acc = 0.0
+        q_total = [acc := acc + w for w in q_written]
+        right.plot(q_steps, q_total, marker="o", markersize=3, color="tab:red",
+                   label=f"{args.quantize}-bit deltas (bases exact): {total_f[-1] / max(q_total[-1], 1e-9):.1f}x less")
     right.set_xlabel("training step")
     right.set_ylabel("MiB written in total")
     right.set_title(f"written in total: {total_f[-1] / max(total_w[-1], 1e-9):.1f}x less")

@@ -1,7 +1,8 @@
 """How a part's data is laid out in chunks, by encoding.
 
 A base stores each part whole (``full``); a delta stores a row-sparse tensor's changed rows with
-their ids (``rows``) and any other tensor's changed chunks of its flat elements (``chunks``).
+their ids (``rows``), quantized if a rule asks (``qrows``), and any other tensor's changed chunks
+of its flat elements (``chunks``).
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ class Encoding(enum.StrEnum):
     FULL = "full"
     ROWS = "rows"
     CHUNKS = "chunks"
+    QROWS = "qrows"  # a delta's changed rows quantized row-wise (format 3)
 
     def __repr__(self) -> str:
         return repr(self.value)  # shows as the string it equals, in reports and examples
 
     @classmethod
-    def of(cls, kind: str, shape: tuple[int, ...]) -> Encoding:
-        """How a tensor of ``shape`` is stored in a step of ``kind`` (``"base"`` or ``"delta"``).
+    def of(cls, kind: str, shape: tuple[int, ...], quantized: bool = False) -> Encoding:
+        """How a tensor of ``shape`` is stored in a step of ``kind`` (``"base"`` or ``"delta"``);
+        ``quantized``: a quantization rule names it.
 
         Example:
             >>> Encoding.of("delta", (100, 8)), Encoding.of("delta", (100,)), Encoding.of("base", ())
@@ -30,6 +33,8 @@ class Encoding(enum.StrEnum):
         """
         if kind == "base":
             return cls.FULL
+        if quantized:
+            return cls.QROWS
         return cls.ROWS if len(shape) >= 2 else cls.CHUNKS
 
 
@@ -57,3 +62,8 @@ def chunk_shape(encoding: str, shape: tuple[int, ...], itemsize: int, changed: i
     row_bytes = math.prod(shape[1:]) * itemsize
     rows = shape[0] if encoding == "full" else changed
     return (rows_per_chunk(rows, row_bytes, chunk_bytes), *shape[1:])
+
+
+def qrows_chunk_shape(changed: int, qrow_bytes: int, chunk_bytes: int) -> tuple[int, int]:
+    """The chunk shape of a ``qrows`` part's array of quantized rows (uint8, ``qrow_bytes`` wide)."""
+    return (rows_per_chunk(changed, qrow_bytes, chunk_bytes), qrow_bytes)

@@ -14,12 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ManifestError, StateError
+from ..quantization import QuantizationError, Rowwise
 from ..sharding import Box, check_tiling
 from . import dtypes
+from .lossy import Lossy
 
 FORMAT = 2
+LOSSY_FORMAT = 3  # format 2 plus quantized deltas: written only by a checkpointer with quantize=
+FORMATS = (FORMAT, LOSSY_FORMAT)
 KINDS = ("base", "delta")
-ENCODINGS = ("full", "rows", "chunks")
+ENCODINGS = ("full", "rows", "chunks", "qrows")
 
 
 # A chunk's [size, xxh3-64 hex], and for a chunk in a pack, its byte offset there.
@@ -79,12 +83,15 @@ class TensorRecord:
             restricted to the part's columns) or ``"chunks"`` (per part, a flat zarr array of
             which only the changed chunks were written).
         parts: the parts, sorted by offset; a base's parts tile the tensor.
+        lossy: for a tensor whose restored values may differ from the saved ones (quantized in
+            this step or earlier in the chain), the scheme and bounds; None when exact.
     """
 
     dtype: str
     shape: tuple[int, ...]
     encoding: str
     parts: tuple[PartRecord, ...]
+    lossy: Lossy | None = None
 
     @property
     def changed(self) -> int:
@@ -95,8 +102,11 @@ class TensorRecord:
         return sum(p.nbytes_written for p in self.parts)
 
     def to_doc(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "shape": list(self.shape), "encoding": self.encoding,
-                "parts": [p.to_doc() for p in self.parts]}
+        doc: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape),
+                               "encoding": self.encoding, "parts": [p.to_doc() for p in self.parts]}
+        if self.lossy is not None:
+            doc["lossy"] = self.lossy.to_doc()
+        return doc
 
 
 @dataclass(frozen=True)
@@ -122,6 +132,9 @@ class Manifest:
         state_bytes: bytes of every tensor of the state, what a full checkpoint writes.
         compacts: for a base made by compaction (``bases/``), the attempt of the step's own
             record that it stands in for; None otherwise.
+        quantize: for a checkpointer with ``quantize=`` (format 3), ``{"restores": N,
+            "tensors": {key: {"pattern", "scheme", "reason"}}}``: the restores the run had made
+            before this save and each quantized tensor's rule and why; None otherwise.
     """
 
     step: int
@@ -140,7 +153,13 @@ class Manifest:
     bytes_written: int
     state_bytes: int
     compacts: str | None = None
+    quantize: dict[str, Any] | None = None
     format: int = FORMAT
+
+    @property
+    def lossy(self) -> bool:
+        """Whether restoring this step may give values other than those saved."""
+        return any(t.lossy is not None for t in self.tensors.values())
 
     def pack_chunk(self, pack: str) -> int:
         """The size of every file of a pack (its zarr chunk size)."""
@@ -151,6 +170,9 @@ class Manifest:
             "step", "kind", "attempt", "parent", "parent_attempt", "base", "chain_length",
             "world_size", "created", "policy", "tree", "bytes_written", "state_bytes", "compacts",
             "format")}
+        if self.format == LOSSY_FORMAT:
+            doc["lossy"] = self.lossy
+            doc["quantize"] = self.quantize
         doc["tensors"] = {k: t.to_doc() for k, t in self.tensors.items()}
         doc["packs"] = {k: {n: list(e) for n, e in files.items()} for k, files in self.packs.items()}
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
@@ -201,8 +223,8 @@ def _parse(doc: Any, where: str) -> Manifest:
     if not isinstance(doc, dict):
         raise ManifestError(f"{where}: a commit record must be a JSON object")
     fmt = _field(doc, "format", int, where)
-    if fmt != FORMAT:
-        raise ManifestError(f"{where}: format {fmt} is not supported (this version reads {FORMAT})")
+    if fmt not in FORMATS:
+        raise ManifestError(f"{where}: format {fmt} is not supported (this version reads {FORMATS})")
     kind = _field(doc, "kind", str, where)
     if kind not in KINDS:
         raise ManifestError(f"{where}: field 'kind' must be one of {KINDS}, got {kind!r}")
@@ -213,7 +235,7 @@ def _parse(doc: Any, where: str) -> Manifest:
         packs[name] = _chunk_map(files, f"{where}: pack {name!r}", packed=False)
     tensors = {}
     for key, rec in _field(doc, "tensors", dict, where).items():
-        tensors[key] = _parse_tensor(rec, packs, f"{where}: tensor {key!r}")
+        tensors[key] = _parse_tensor(rec, packs, fmt, f"{where}: tensor {key!r}")
     created = _field(doc, "created", (int, float), where)
     if not math.isfinite(created):
         raise ManifestError(f"{where}: field 'created' has a bad value {created!r}")
@@ -234,7 +256,13 @@ def _parse(doc: Any, where: str) -> Manifest:
         bytes_written=_count(doc, "bytes_written", where),
         state_bytes=_count(doc, "state_bytes", where),
         compacts=_field(doc, "compacts", (str, type(None)), where),
+        quantize=_field(doc, "quantize", (dict, type(None)), where) if fmt == LOSSY_FORMAT else None,
+        format=fmt,
     )
+    if fmt == LOSSY_FORMAT:
+        if _field(doc, "lossy", bool, where) != m.lossy:
+            raise ManifestError(f"{where}: field 'lossy' disagrees with the tensors' records")
+        _check_quantize(m.quantize, m.tensors, where)
     if m.compacts is not None and m.kind != "base":
         raise ManifestError(f"{where}: only a base can stand in for a step ('compacts')")
     _check_tree(m.tree, m.tensors, f"{where}: field 'tree'", 0)
@@ -281,7 +309,38 @@ def _check_tree(node: Any, tensors: dict[str, TensorRecord], where: str, depth: 
         raise ManifestError(f"{where}: unknown node kind {kind!r:.80}")
 
 
-def _parse_tensor(rec: Any, packs: dict[str, ChunkMap], where: str) -> TensorRecord:
+def _check_quantize(doc: dict[str, Any] | None, tensors: dict[str, TensorRecord], where: str) -> None:
+    if doc is None:
+        return
+    _count(doc, "restores", f"{where}: field 'quantize'")
+    for key, choice in _field(doc, "tensors", dict, f"{where}: field 'quantize'").items():
+        if key not in tensors or not isinstance(choice, dict) or not all(
+                isinstance(choice.get(f), str) for f in ("pattern", "scheme", "reason")):
+            raise ManifestError(f"{where}: field 'quantize' has a bad entry for {key!r:.80}")
+
+
+def _parse_lossy(doc: Any, encoding: str, where: str) -> Lossy:
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{where}: field 'lossy' must be a JSON object")
+    scheme = _field(doc, "scheme", (str, type(None)), where)
+    bounds = []
+    for name in ("bound", "chain_bound"):
+        v = _field(doc, name, (int, float), where)
+        if not (math.isfinite(v) and v >= 0):
+            raise ManifestError(f"{where}: field {name!r} has a bad value {v!r}")
+        bounds.append(float(v))
+    if (scheme is not None) != (encoding == "qrows") or bounds[0] > bounds[1]:
+        raise ManifestError(f"{where}: lossy scheme {scheme!r:.40} with encoding {encoding!r}, bound "
+                            f"{bounds[0]} and chain bound {bounds[1]} disagree")
+    if scheme is not None:
+        try:
+            Rowwise.from_scheme(scheme)
+        except QuantizationError as e:
+            raise ManifestError(f"{where}: {e}") from None
+    return Lossy(scheme, bounds[0], bounds[1])
+
+
+def _parse_tensor(rec: Any, packs: dict[str, ChunkMap], fmt: int, where: str) -> TensorRecord:
     if not isinstance(rec, dict):
         raise ManifestError(f"{where}: must be a JSON object")
     shape = _dims(rec, "shape", where)
@@ -304,7 +363,12 @@ def _parse_tensor(rec: Any, packs: dict[str, ChunkMap], where: str) -> TensorRec
             check_tiling(where, tuple(shape), [p.box for p in parts])
         except StateError as e:
             raise ManifestError(str(e)) from None
-    return TensorRecord(dtype=dtype, shape=tuple(shape), encoding=encoding, parts=parts)
+    lossy = None
+    if fmt == LOSSY_FORMAT and rec.get("lossy") is not None:
+        lossy = _parse_lossy(rec["lossy"], encoding, where)
+    if encoding == "qrows" and (lossy is None or dtype not in ("float32", "bfloat16", "float16")):
+        raise ManifestError(f"{where}: encoding 'qrows' needs a 'lossy' record and a float dtype")
+    return TensorRecord(dtype=dtype, shape=tuple(shape), encoding=encoding, parts=parts, lossy=lossy)
 
 
 def _dims(doc: dict[str, Any], name: str, where: str) -> tuple[int, ...]:
@@ -331,6 +395,7 @@ def _parse_part(rec: Any, shape: tuple[int, ...], encoding: str,
     fits = {
         "full": len(chunk_shape) == len(pshape),
         "rows": len(chunk_shape) == len(pshape) >= 1 and changed <= pshape[0],
+        "qrows": len(chunk_shape) == 2 and len(pshape) >= 2 and changed <= pshape[0],
         "chunks": len(chunk_shape) == 1,
     }[encoding]
     if not fits or any(d < 1 for d in chunk_shape):

@@ -23,6 +23,8 @@ from ..format import dtypes
 from ..format.layout import STEPS, chunk_key, part_folder
 from ..format.manifest import Entry, Manifest, PartRecord, TensorRecord
 from ..format.zarr_meta import codec_for
+from ..kernels import rowwise
+from ..quantization import Rowwise
 from ..sharding import Box
 from ..storage import Storage
 from .staging import StagingPool
@@ -181,7 +183,8 @@ class ChainReader:
             for part in rec.parts:
                 inter = part.box.intersect(box)
                 if inter is not None and inter.numel:
-                    make = {"full": self._full, "rows": self._rows, "chunks": self._chunks}[rec.encoding]
+                    make = {"full": self._full, "rows": self._rows, "chunks": self._chunks,
+                            "qrows": self._qrows}[rec.encoding]
                     jobs += make(m, key, rec, part, inter, dest, box)
             self._run(jobs)
 
@@ -197,13 +200,17 @@ class ChainReader:
             raise error
 
     def _staged(self, m: Manifest, key: str, part: PartRecord, name: str, dtype: torch.dtype,
-                decoded_bytes: int, use: Callable[[torch.Tensor], None]) -> None:
-        """Reads a chunk through a staging buffer, decodes it if coded, and hands the uint8 bytes
-        to ``use``."""
-        buf = self._pool.acquire(stored_size(self._storage, m, key, part, name))
+                decoded_bytes: int, use: Callable[[torch.Tensor], None], uncoded: bool = False) -> None:
+        """Reads a chunk through a staging buffer, decodes it if coded (``uncoded``: never), and hands
+        the uint8 bytes to ``use``."""
+        size = stored_size(self._storage, m, key, part, name)
+        if uncoded and size != decoded_bytes:
+            raise IntegrityError(m.step, chunk_path(m, key, part, name),
+                                 f"{size} B, where the record's shapes make {decoded_bytes} B")
+        buf = self._pool.acquire(size)
         try:
             fetch(self._storage, m, key, part, name, buf)
-            codec = codec_for(dtype)
+            codec = None if uncoded else codec_for(dtype)
             if codec is None:
                 use(buf)
                 return
@@ -277,6 +284,38 @@ class ChainReader:
 
             jobs.append(partial(self._staged, m, key, part, f"rows/{chunk_key(j, dest.dim())}",
                                 dest.dtype, cr * row_bytes, copy))
+        return jobs
+
+    def _qrows(self, m: Manifest, key: str, rec: TensorRecord, part: PartRecord, inter: Box,
+               dest: torch.Tensor, box: Box) -> list[Job]:
+        """Like :meth:`_rows`, from quantized rows decoded to the tensor's dtype."""
+        rule = Rowwise.from_scheme(rec.lossy.scheme if rec.lossy else None)
+        cr, qbytes = part.chunk_shape
+        rest = part.shape[1:]
+        width = int(np.prod(rest, dtype=np.int64))
+        if qbytes != rowwise.row_bytes(width, rule.bits, rule.scale_dtype):
+            raise IntegrityError(m.step, f"{key} part {part.path!r}",
+                                 f"quantized rows of {qbytes} B do not fit {width} elements at {rule.scheme}")
+        ids = self._ids.get((m.step, key, part.path))
+        if ids is None:
+            ids = self._ids[(m.step, key, part.path)] = self._read_ids(m, key, part)
+        p0 = int(torch.searchsorted(ids, inter.offset[0]))
+        p1 = int(torch.searchsorted(ids, inter.offset[0] + inter.shape[0]))
+        src_cols, dst_cols = inter.slices(part.box)[1:], inter.slices(box)[1:]
+        jobs: list[Job] = []
+        for j in range(p0 // cr, -(-p1 // cr)):
+            lo = j * cr
+            a, b = max(lo, p0), min(lo + cr, p1)
+            local = ids[a:b] - box.offset[0]
+
+            def copy(buf: torch.Tensor, lo=lo, a=a, b=b, local=local) -> None:
+                packed = buf[: cr * qbytes].view(cr, qbytes)[a - lo : b - lo]
+                rows = rowwise.dequantize_rows(packed, rule.bits, width, dest.dtype,
+                                               scale_dtype=rule.scale_dtype).view(b - a, *rest)
+                dest[(local, *dst_cols)] = rows[(slice(None), *src_cols)]
+
+            jobs.append(partial(self._staged, m, key, part, f"qrows/{chunk_key(j, 2)}", torch.uint8,
+                                cr * qbytes, copy, uncoded=True))
         return jobs
 
     def _read_ids(self, m: Manifest, key: str, part: PartRecord) -> torch.Tensor:

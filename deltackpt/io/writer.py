@@ -26,7 +26,9 @@ import numpy as np
 import torch
 import xxhash
 
-from .. import kernels  # type: ignore[attr-defined]  # installed from kernels/, see pyproject
+from .. import kernels  # installed from kernels/, see pyproject
+from ..kernels import rowwise
+from ..quantization import QuantizationError, Rowwise
 from ..format.layout import chunk_key, part_folder
 from ..format.manifest import ChunkMap
 from ..format.zarr_meta import array_doc, codec_for, group_doc
@@ -74,6 +76,7 @@ class StepWriter:
 
             self._pack = Pack(pool, write)
         self.written: list[str] = []  # every file written, for the directory syncs
+        self.bounds: dict[str, float] = {}  # the largest bound of quantized rows, by tensor key
 
     # -- metadata (coordinator) ------------------------------------------------------------------
 
@@ -118,13 +121,21 @@ class StepWriter:
                       (cr - (hi - lo)) * row_bytes, t.dtype, release=one_done)
 
     def rows(self, key: str, path: str, t: torch.Tensor, ids: torch.Tensor, row_offset: int,
-             chunk_rows: int, hash_into: torch.Tensor | None = None) -> None:
+             chunk_rows: int, hash_into: torch.Tensor | None = None, rule: Rowwise | None = None) -> float:
         """Writes rows ``ids`` (local, sorted, unique, int64 on CPU) of ``t`` as arrays ``ids``
-        (global ids: ``ids + row_offset``) and ``rows``; puts each row's hash in ``hash_into``
-        if given."""
+        (global ids: ``ids + row_offset``) and ``rows``, or quantized by ``rule`` as ``ids`` and
+        ``qrows`` (uint8, one fused quantized row each); puts each row's hash, of its exact
+        value, in ``hash_into`` if given. Returns the largest bound of the quantized rows (0 if
+        exact).
+
+        Raises:
+            QuantizationError: a row to quantize holds inf or NaN (or lies past a float16
+                scale's range).
+        """
         n = ids.numel()
         flat = t.reshape(t.shape[0], -1)
         row_bytes = flat.shape[1] * t.element_size()
+        bound = 0.0
         for i in range(-(-n // chunk_rows)):
             lo, hi = i * chunk_rows, min(n, (i + 1) * chunk_rows)
             pad_rows = chunk_rows - (hi - lo)
@@ -143,8 +154,23 @@ class StepWriter:
                 out.copy_(flat.index_select(0, part.to(t.device)))
             if hash_into is not None:
                 hash_into[lo:hi] = kernels.hash_rows(out, threads=1)
-            self._put(key, path, f"rows/{chunk_key(i, t.dim())}", out, pad_rows * row_bytes, t.dtype,
-                      release=partial(self._pool.release, buf))
+            if rule is None:
+                self._put(key, path, f"rows/{chunk_key(i, t.dim())}", out, pad_rows * row_bytes,
+                          t.dtype, release=partial(self._pool.release, buf))
+                continue
+            try:
+                packed, bounds = rowwise.quantize_rows(out, rule.bits, adaptive=rule.adaptive,
+                                                       scale_dtype=rule.scale_dtype)
+            except rowwise.RowError as e:
+                raise QuantizationError(f"{key!r} row {int(part[e.row]) + row_offset} {e.reason}") from None
+            finally:
+                self._pool.release(buf)
+            bound = max(bound, float(bounds.max()))
+            self._put(key, path, f"qrows/{chunk_key(i, 2)}", packed, pad_rows * packed.shape[1],
+                      torch.uint8, uncoded=True)
+        if rule is not None:
+            self.bounds[key] = max(self.bounds.get(key, 0.0), bound)
+        return bound
 
     def chunks(self, key: str, path: str, t: torch.Tensor, chunk_ids: list[int], chunk_elems: int,
                hash_into: torch.Tensor | None = None) -> None:
@@ -196,8 +222,9 @@ class StepWriter:
     # -- internals ------------------------------------------------------------------------------
 
     def _put(self, key: str, path: str, name: str, data: torch.Tensor, pad: int, dtype: torch.dtype,
-             release: Callable[[], None] | None = None) -> None:
-        """Queues one chunk: ``data`` (rows of a tensor) followed by ``pad`` zero bytes."""
+             release: Callable[[], None] | None = None, uncoded: bool = False) -> None:
+        """Queues one chunk: ``data`` (rows of a tensor) followed by ``pad`` zero bytes, coded as a
+        zarr array of ``dtype`` would be (``uncoded``: not coded)."""
         release = release or (lambda: None)
         if data.device.type != "cpu":
             host = self._pool.acquire(data.numel() * data.element_size())
@@ -209,7 +236,7 @@ class StepWriter:
                 inner()
 
         zeros = self._pool.zeros(pad)
-        codec = codec_for(dtype)
+        codec = None if uncoded else codec_for(dtype)
 
         def parts() -> list[memoryview]:
             body = as_bytes(data.contiguous())

@@ -29,7 +29,15 @@ from ..errors import StepNotFoundError
 from ..format import dtypes
 from ..format.encodings import chunk_shape
 from ..format.layout import STEPS
-from ..format.manifest import ChunkMap, Manifest, PartRecord, TensorRecord
+from ..format.lossy import Lossy
+from ..format.manifest import (
+    FORMAT,
+    LOSSY_FORMAT,
+    ChunkMap,
+    Manifest,
+    PartRecord,
+    TensorRecord,
+)
 from ..io.reader import ChainReader
 from ..io.staging import StagingPool
 from ..io.writer import StepWriter
@@ -137,7 +145,9 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
         for key, rec in m.tensors.items():
             part = PartRecord((0,) * len(rec.shape), rec.shape, "", _chunks(rec, sizes),
                               rec.shape[0] if rec.shape else 1, files.get((key, ""), {}))
-            tensors[key] = TensorRecord(rec.dtype, rec.shape, "full", (part,))
+            # A chain with quantized rows decodes to a base with their loss: marked, never exact.
+            lossy = None if rec.lossy is None else Lossy(None, rec.lossy.chain_bound, rec.lossy.chain_bound)
+            tensors[key] = TensorRecord(rec.dtype, rec.shape, "full", (part,), lossy)
         base = Manifest(
             step=m.step, kind="base", attempt=work.attempt, parent=None, parent_attempt=None,
             base=m.step, chain_length=0, world_size=m.world_size, created=time.time(),
@@ -145,7 +155,8 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
                     "reason": f"compacted a chain of {len(work.chain)} records"},
             tree=m.tree, tensors=tensors, packs={},
             bytes_written=sum(entry[0] for chunks in files.values() for entry in chunks.values()),
-            state_bytes=m.state_bytes, compacts=m.attempt,
+            state_bytes=m.state_bytes, compacts=m.attempt, quantize=m.quantize,
+            format=LOSSY_FORMAT if m.format == LOSSY_FORMAT or m.lossy else FORMAT,
         )
         store.storage.point("compact_commit", "")
         store.commit(base)  # False: another compaction of this step won; its base serves

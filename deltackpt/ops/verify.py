@@ -11,9 +11,10 @@ import torch
 
 from ..errors import BrokenChainError, DeltackptError, IntegrityError, MissingChunkError
 from ..format.layout import STEPS
-from ..format.manifest import Manifest
-from ..io.reader import fetch, fetch_file_in_pieces, file_size, stored_size
+from ..format.manifest import Manifest, PartRecord, TensorRecord
+from ..io.reader import chunk_path, fetch, fetch_file_in_pieces, file_size, stored_size
 from ..io.staging import StagingPool
+from ..quantization import Rowwise
 from ..store import Store
 
 
@@ -76,6 +77,7 @@ def verify(
         except DeltackptError as e:
             report.problems.append(Problem(step, "record", "", str(e)))
             continue
+        report.problems += [p for p in _check_bounds(chain) if p not in report.problems]
         for m in chain:
             if m.step not in checked:
                 checked[m.step] = _check_step(store, m, pool, executor, report, progress)
@@ -85,6 +87,43 @@ def verify(
                     Problem(step, "chain", "", f"its chain includes step {m.step}, which is damaged")
                 )
     return report
+
+
+def _read_qrows(read: Callable[[torch.Tensor], None], m: Manifest, key: str, rec: TensorRecord,
+                part: PartRecord, name: str, buf: torch.Tensor) -> None:
+    """Reads a chunk of quantized rows and checks that the record's bound covers every row:
+    half a row's scale is the least its bound can be, and scales and biases must be finite."""
+    read(buf)
+    rule = Rowwise.from_scheme(rec.lossy.scheme if rec.lossy else None)
+    cr, qbytes = part.chunk_shape
+    j = int(name.rsplit(".", 2)[-2]) if name.count(".") >= 2 else -1
+    count = min(part.changed, (j + 1) * cr) - j * cr
+    if j < 0 or count <= 0 or buf.numel() != cr * qbytes:
+        raise IntegrityError(m.step, chunk_path(m, key, part, name), "not a chunk of the part's rows")
+    size = rule.scale_dtype.itemsize
+    tail = buf.view(cr, qbytes)[:count, qbytes - 2 * size :].reshape(-1).clone().view(rule.scale_dtype)
+    scales, biases = tail[0::2].float(), tail[1::2].float()
+    if not bool(torch.isfinite(tail).all()) or bool((scales < 0).any()):
+        raise IntegrityError(m.step, chunk_path(m, key, part, name), "a row's scale or bias is not finite")
+    need = float(scales.max()) / 2 if count else 0.0
+    if rec.lossy is None or need > rec.lossy.bound * (1 + 2.0**-20):
+        raise IntegrityError(m.step, chunk_path(m, key, part, name),
+                             f"a row's scale needs a bound of at least {need:.6g}, the record says "
+                             f"{rec.lossy.bound if rec.lossy else None}")
+
+
+def _check_bounds(chain: list[Manifest]) -> list[Problem]:
+    """Each lossy tensor's chain bound covers its parent's: the loss a chain carries only grows."""
+    problems = []
+    for parent, m in zip(chain, chain[1:]):
+        for key, rec in m.tensors.items():
+            held = parent.tensors.get(key)
+            carried = held.lossy.chain_bound if held is not None and held.lossy is not None else 0.0
+            if carried > (rec.lossy.chain_bound if rec.lossy else 0.0):
+                problems.append(Problem(m.step, "record", key,
+                                        f"chain bound {rec.lossy.chain_bound if rec.lossy else 0} is "
+                                        f"below step {parent.step}'s {carried}"))
+    return problems
 
 
 def _check_step(store: Store, m: Manifest, pool: StagingPool, executor: Executor,
@@ -118,8 +157,10 @@ def _check_step(store: Store, m: Manifest, pool: StagingPool, executor: Executor
     for key, rec in m.tensors.items():
         for part in rec.parts:
             for name, chunk in part.chunks.items():
-                jobs.append((chunk[0], partial(stored_size, storage, m, key, part, name),
-                             partial(fetch, storage, m, key, part, name), False))
+                read: Callable[[torch.Tensor], None] = partial(fetch, storage, m, key, part, name)
+                if rec.encoding == "qrows" and name.startswith("qrows/"):
+                    read = partial(_read_qrows, read, m, key, rec, part, name)
+                jobs.append((chunk[0], partial(stored_size, storage, m, key, part, name), read, False))
     futures = []
     for size, sizer, read, pieces in jobs:
         report.chunks += 1

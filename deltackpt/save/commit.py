@@ -6,38 +6,58 @@ import time
 from typing import Any
 
 from ..errors import StateError, StepExistsError
-from ..format.encodings import Encoding, chunk_shape
+from ..format.encodings import Encoding
 from ..format.layout import pack_name
-from ..format.manifest import ChunkMap, Manifest, PartRecord, TensorRecord
+from ..format.lossy import Lossy
+from ..format.manifest import (
+    FORMAT,
+    LOSSY_FORMAT,
+    ChunkMap,
+    Manifest,
+    PartRecord,
+    TensorRecord,
+)
 from ..ops.lease import Lease
 from ..ops.lease import check as check_lease
 from ..store import Store
-from .decide import itemsize, tensor_bytes
+from ..quantization import Rowwise
+from .decide import itemsize, part_chunk_shape, tensor_bytes
 from .types import Kind, SavePlan, WriteResult
 
 
 def build_manifest(save: SavePlan, results: list[WriteResult], *, head: Manifest | None,
-                   world_size: int, policy: dict[str, Any], sizes: tuple[int, int]) -> Manifest:
+                   world_size: int, policy: dict[str, Any], sizes: tuple[int, int],
+                   restores: int | None = None) -> Manifest:
     """The commit record of a save: every part with the chunks every rank wrote for it, and
-    the files of every pack."""
+    the files of every pack; each lossy tensor's scheme and bounds, and with ``restores`` (the
+    checkpointer has ``quantize=``) the quantization decisions, in a format-3 record."""
     step, kind, attempt, plan, changed = save.step, save.kind, save.attempt, save.plan, save.changed
     files: dict[tuple[str, str], ChunkMap] = {}
     packs: dict[str, ChunkMap] = {}
+    bounds: dict[str, float] = {}
     for r in results:
         for where, chunks in r.files.items():
             files.setdefault(where, {}).update(chunks)
         packs.update(r.packs)
+        for key, bound in r.bounds.items():
+            bounds[key] = max(bounds.get(key, 0.0), bound)
     tensors = {}
     for t in plan.tensors.values():
-        enc = Encoding.of(kind, t.global_shape)
+        rule = save.quantize[t.key].rule if t.key in save.quantize else None
+        enc = Encoding.of(kind, t.global_shape, rule is not None)
         parts = tuple(
             PartRecord(p.box.offset, p.box.shape, p.path,
-                       chunk_shape(enc, p.box.shape, itemsize(t.dtype), changed[(t.key, p.path)], *sizes),
+                       part_chunk_shape(enc, p.box.shape, itemsize(t.dtype), changed[(t.key, p.path)],
+                                        sizes, rule),
                        changed[(t.key, p.path)], files.get((t.key, p.path), {}),
                        pack_name(p.writer) if kind == Kind.DELTA and changed[(t.key, p.path)] else None)
             for p in t.parts
         )
-        tensors[t.key] = TensorRecord(t.dtype, t.global_shape, enc, parts)
+        tensors[t.key] = TensorRecord(t.dtype, t.global_shape, enc, parts,
+                                      lossy_record(kind, t.key, head, rule, bounds.get(t.key, 0.0)))
+    lossy = any(r.lossy is not None for r in tensors.values())
+    quantize = None if restores is None else {
+        "restores": restores, "tensors": {k: c.to_doc() for k, c in sorted(save.quantize.items())}}
     delta = head is not None and kind == Kind.DELTA
     if kind == Kind.DELTA and head is None:
         raise StateError(f"step {step}: a delta needs the step it applies to")
@@ -59,11 +79,24 @@ def build_manifest(save: SavePlan, results: list[WriteResult], *, head: Manifest
         bytes_written=sum(e[0] for chunks in [*files.values(), *packs.values()]
                           for e in chunks.values() if len(e) == 2),
         state_bytes=sum(tensor_bytes(t) for t in plan.tensors.values()),
+        quantize=quantize,
+        format=LOSSY_FORMAT if lossy or restores is not None else FORMAT,
     )
 
 
+def lossy_record(kind: Kind, key: str, head: Manifest | None, rule: Rowwise | None,
+                 bound: float) -> Lossy | None:
+    """A tensor's loss in a new step: this step's quantization, and what the chain carries."""
+    held = head.tensors.get(key) if kind == Kind.DELTA and head is not None else None
+    carried = held.lossy.chain_bound if held is not None and held.lossy is not None else 0.0
+    if rule is not None and kind == Kind.DELTA:
+        return Lossy(rule.scheme, bound, max(carried, bound))
+    return Lossy(None, 0.0, carried) if carried > 0 else None
+
+
 def commit(store: Store, save: SavePlan, results: list[WriteResult], *, head: Manifest | None,
-           world_size: int, policy: str, sizes: tuple[int, int], lease: Lease | None) -> Manifest:
+           world_size: int, policy: str, sizes: tuple[int, int], lease: Lease | None,
+           restores: int | None = None) -> Manifest:
     """Coordinator: the commit record from every rank's files, created only if absent, while
     ``lease`` still holds.
 
@@ -73,7 +106,8 @@ def commit(store: Store, save: SavePlan, results: list[WriteResult], *, head: Ma
     """
     manifest = build_manifest(
         save, results, head=head, world_size=world_size,
-        policy={"name": policy, "decision": str(save.kind), "reason": save.reason}, sizes=sizes)
+        policy={"name": policy, "decision": str(save.kind), "reason": save.reason}, sizes=sizes,
+        restores=restores)
     if lease is None:
         raise StepExistsError(f"step {save.step}: the coordinator holds no writer lease")
     check_lease(store, lease)

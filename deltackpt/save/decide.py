@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 
 from ..format import dtypes
+from ..format.encodings import Encoding, chunk_shape, qrows_chunk_shape
 from ..format.manifest import Manifest
+from ..kernels import rowwise
 from ..policy import BasePolicy, ChainState
+from ..quantization import Choice, Rowwise
 from .planner import GlobalPlan, TensorPlan
 from .scan import PartScan
 from .types import Kind, SavePlan
 
 
 def decide(policy: BasePolicy, head: Manifest | None, chain: ChainState, plan: GlobalPlan,
-           scans: list[PartScan], *, step: int, attempt: str) -> SavePlan:
-    """Base or delta by the policy, why, and the rows or chunks each part will hold."""
+           scans: list[PartScan], *, step: int, attempt: str,
+           quantize: Mapping[str, Choice] | None = None) -> SavePlan:
+    """Base or delta by the policy, why, and the rows or chunks each part will hold; a delta
+    quantizes the tensors ``quantize`` names."""
     kind: Kind
     if head is None:
         kind, reason = Kind.BASE, "no earlier step saved or restored by this checkpointer"
@@ -31,11 +37,21 @@ def decide(policy: BasePolicy, head: Manifest | None, chain: ChainState, plan: G
                    for t in plan.tensors.values() for p in t.parts}
     else:
         changed = {(s.key, s.path): s.changed for s in scans}
-    return SavePlan(step, kind, reason, attempt, plan, changed)
+    return SavePlan(step, kind, reason, attempt, plan, changed,
+                    dict(quantize or {}) if kind == Kind.DELTA else {})
 
 
 def itemsize(dtype_name: str) -> int:
     return torch.empty((), dtype=dtypes.from_name(dtype_name)).element_size()
+
+
+def part_chunk_shape(enc: Encoding, shape: tuple[int, ...], itemsize: int, changed: int,
+                     sizes: tuple[int, int], rule: Rowwise | None) -> tuple[int, ...]:
+    """The chunk shape of a part's array (for ``qrows``, of its quantized rows)."""
+    if enc == Encoding.QROWS and rule is not None:
+        qbytes = rowwise.row_bytes(math.prod(shape[1:]), rule.bits, rule.scale_dtype)
+        return qrows_chunk_shape(changed, qbytes, sizes[0])
+    return chunk_shape(enc, shape, itemsize, changed, *sizes)
 
 
 def tensor_bytes(t: TensorPlan) -> int:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import rowwise
+from ..quantization import QuantizePlan, Rowwise
 from ..tracking.changes import ChangeTracker, TensorChange, is_row_sparse
 from .types import WriteItem
 
@@ -30,20 +32,28 @@ class PartScan:
     delta_bytes: int
 
 
-def summarize(key: str, path: str, t: torch.Tensor, change: TensorChange, chunk_elems: int) -> PartScan:
+def summarize(key: str, path: str, t: torch.Tensor, change: TensorChange, chunk_elems: int,
+              rule: Rowwise | None = None) -> PartScan:
     if change.changed is None:
         return PartScan(key, path, False, 0, 0)
     n = change.changed.numel()
+    if rule is not None:  # a quantized delta's rows, so the policy weighs what it will write
+        return PartScan(key, path, True, n,
+                        n * (rowwise.row_bytes(t[0].numel(), rule.bits, rule.scale_dtype) + 8))
     if is_row_sparse(t):
         return PartScan(key, path, True, n, n * (t[0].numel() * t.element_size() + 8))
     return PartScan(key, path, True, n, n * chunk_elems * t.element_size())
 
 
-def scan(tracker: ChangeTracker, items: tuple[WriteItem, ...]
+def scan(tracker: ChangeTracker, items: tuple[WriteItem, ...], quantize: QuantizePlan | None = None
          ) -> tuple[list[PartScan], Mapping[str, TensorChange]]:
-    """The change set of every item's tensor, and its summary for the coordinator."""
+    """The change set of every item's tensor, and its summary for the coordinator (sized as
+    quantized for the tensors a ``quantize`` rule names)."""
     tensors = {it.key: it.tensor for it in items}
     changes = tracker.scan(tensors)
-    scans = [summarize(it.key, it.part.path, it.tensor, changes[it.key], tracker.chunk_elems(it.tensor))
+    rules = {it.key: c.rule for it in items if quantize is not None
+             and (c := quantize.choose(it.key, restores=quantize.restores)) is not None}
+    scans = [summarize(it.key, it.part.path, it.tensor, changes[it.key], tracker.chunk_elems(it.tensor),
+                       rules.get(it.key))
              for it in items]
     return scans, changes

@@ -28,9 +28,10 @@ from ..format.layout import STEPS, pack_name, part_folder
 from ..format.manifest import ChunkMap
 from ..io.staging import StagingPool
 from ..io.writer import StepWriter
+from ..quantization import Rowwise
 from ..storage import Storage
 from ..tracking.changes import TensorChange
-from .decide import itemsize
+from .decide import itemsize, part_chunk_shape
 from .types import Kind, SavePlan, WriteItem, WriteResult
 
 
@@ -50,20 +51,22 @@ def describe(writer: StepWriter, save: SavePlan, sizes: tuple[int, int]) -> None
 
 
 def stage_part(writer: StepWriter, pool: StagingPool, kind: Kind, item: WriteItem,
-               change: TensorChange, n: int, sizes: tuple[int, int]) -> TensorChange:
-    """Copies what the step writes of one part into staging buffers and queues their writes.
-    Returns ``change``, with the hashes of what a delta wrote filled in where the change set left
-    them to the save."""
+               change: TensorChange, n: int, sizes: tuple[int, int],
+               rule: Rowwise | None = None) -> TensorChange:
+    """Copies what the step writes of one part into staging buffers (a delta's rows quantized by
+    ``rule``) and queues their writes. Returns ``change``, with the hashes of what a delta wrote
+    filled in where the change set left them to the save."""
     t, part = item.tensor, item.part
-    enc = Encoding.of(kind, tuple(t.shape))
-    cs = chunk_shape(enc, part.box.shape, t.element_size(), n, *sizes)
+    enc = Encoding.of(kind, tuple(t.shape), rule is not None)
+    cs = part_chunk_shape(enc, part.box.shape, t.element_size(), n, sizes, rule)
     if enc == Encoding.FULL:
         _stage_whole(writer, pool, item.key, part.path, t, cs)
         return change
     assert change.changed is not None  # a delta has a change set for every part
     hashes = torch.empty(n, dtype=torch.int64) if change.partial and change.hashes is None else None
-    if enc == Encoding.ROWS:
-        writer.rows(item.key, part.path, t, change.changed, part.box.offset[0], cs[0], hash_into=hashes)
+    if enc in (Encoding.ROWS, Encoding.QROWS):
+        writer.rows(item.key, part.path, t, change.changed, part.box.offset[0], cs[0], hash_into=hashes,
+                    rule=rule)
     else:
         writer.chunks(item.key, part.path, t, change.changed.tolist(), cs[0], hash_into=hashes)
     return change if hashes is None else replace(change, hashes=hashes)
@@ -111,7 +114,9 @@ def stage(writers: list[StepWriter], pool: StagingPool, save: SavePlan, items: t
         if coordinator:
             describe(writers[1], save, sizes)
         return {it.key: stage_part(writers[0], pool, save.kind, it, changes[it.key],
-                                   save.changed[(it.key, it.part.path)], sizes) for it in items}
+                                   save.changed[(it.key, it.part.path)], sizes,
+                                   save.quantize[it.key].rule if it.key in save.quantize else None)
+                for it in items}
     except BaseException:
         for w in writers:
             w.abandon()
@@ -126,15 +131,18 @@ def write(storage: Storage, writers: list[StepWriter]) -> WriteResult:
     """
     files: dict[tuple[str, str], ChunkMap] = {}
     packs: dict[str, ChunkMap] = {}
+    bounds: dict[str, float] = {}
     error: BaseException | None = None
     for w in writers:
         try:
             for where, chunks in w.finish().items():
                 files.setdefault(where, {}).update(chunks)
             packs.update(w.packs)
+            for key, bound in w.bounds.items():
+                bounds[key] = max(bounds.get(key, 0.0), bound)
         except BaseException as e:  # noqa: BLE001 - every writer must end before raising
             error = error or e
     storage.sync([k for w in writers for k in w.written])
     if error is not None:
         raise error
-    return WriteResult(files, packs)
+    return WriteResult(files, packs, bounds)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..format.manifest import ChunkMap
+from ..quantization import Choice
 from ..sharding import Shard
 from .planner import GlobalPlan, LocalPlan, PartPlan
 
@@ -66,6 +67,8 @@ class SavePlan:
         attempt: the folder the step's files go into (``steps/ATTEMPT``).
         plan: every tensor's parts and their writers.
         changed: rows or chunks each part holds, by (tensor key, part path).
+        quantize: for a delta, the quantization rule of each tensor a ``quantize=`` pattern
+            names, and why.
     """
 
     step: int
@@ -74,14 +77,17 @@ class SavePlan:
     attempt: str
     plan: GlobalPlan
     changed: Mapping[tuple[str, str], int]
+    quantize: Mapping[str, Choice] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class WriteResult:
-    """What one rank wrote: the chunks of each part it wrote, and its pack's files."""
+    """What one rank wrote: the chunks of each part it wrote, its pack's files, and the largest
+    error bound of the quantized rows it wrote per tensor."""
 
     files: Mapping[tuple[str, str], ChunkMap]
     packs: Mapping[str, ChunkMap]
+    bounds: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import kernels  # type: ignore[attr-defined]  # installed from kernels/, see pyproject
+from .. import kernels  # installed from kernels/, see pyproject
 from ..format.encodings import dense_chunk_elems
 from .hashing import Hasher
 from .marks import TableMode, TrackedTable

@@ -14,7 +14,7 @@ from functools import partial
 
 import torch
 
-from .. import kernels  # type: ignore[attr-defined]  # installed from kernels/, see pyproject
+from .. import kernels  # installed from kernels/, see pyproject
 
 
 class Hasher:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import kernels  # type: ignore[attr-defined]  # installed from kernels/, see pyproject
+from .. import kernels  # installed from kernels/, see pyproject
 
 
 @dataclass(frozen=True)

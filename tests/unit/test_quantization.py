@@ -60,14 +60,14 @@ def test_by_restores_tiers_and_raising(expected, restores, bits):
     rule, reason = ByRestores(expected=expected).decide(restores)
     assert rule.bits == bits
     assert rule.adaptive == (bits < 8)
-    assert ("exceed" in reason) == (restores >= expected)
+    assert ("use up" in reason) == (restores >= expected)
 
 
 def test_choice_records_reason():
     q = QuantizePlan({"*emb*": ByRestores(expected=1)})
     doc = q.choose("model/emb.weight", restores=1).to_doc()
     assert doc["scheme"] == "rowwise4a" and doc["pattern"] == "*emb*"
-    assert "1 restores so far exceed the 1 expected" in doc["reason"]
+    assert "1 restores so far use up the 1 expected" in doc["reason"]
 
 
 def test_quantizable():
