@@ -22,26 +22,27 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from functools import partial
+from typing import Any, Literal, overload
 
 import torch
 
-from . import statetree
+from . import (
+    kernels,  # type: ignore[attr-defined]  # installed from kernels/, see pyproject
+    statetree,
+)
 from .collectives import Collective
 from .errors import (
     KeyMismatchError,
     StepNotFoundError,
     StoreError,
 )
-from .format.layout import STEPS
-from .format.manifest import Manifest
 from .io.reader import ChainReader
 from .io.staging import StagingPool
-from .io.writer import StepWriter
-from .ops import lease
 from .ops.compaction import CompactInfo, compact
 from .ops.gc import GCReport, Retention, collect
 from .ops.verify import VerifyReport, verify
@@ -49,16 +50,12 @@ from .policy import BasePolicy, ChainState, EveryK
 from .quantization import QuantizePlan, Rule
 from .restore.load import read_step
 from .restore.planning import RestorePlan, fill, plan_restore
-from .save.commit import commit
-from .save.decide import decide
-from .save.local import plan_local, write_items
-from .save.planner import GlobalPlan, GlobalPlanner, LocalPlan
-from .save.scan import scan
-from .save.stage import open_writer, stage, write
-from .save.types import Kind, LocalState, SaveInfo, WriteResult
+from .save.pending import Background, SaveHandle
+from .save.saver import Saver
+from .save.types import SaveInfo
 from .storage import Storage, open_storage
 from .store import Store
-from .tracking.changes import ChangeTracker, TensorChange
+from .tracking.changes import ChangeTracker
 from .tracking.hashing import Hasher
 from .tracking.rows import Canary, TrackHandle
 
@@ -145,12 +142,10 @@ class Checkpointer:
         workers = min(io_threads, threads)
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="deltackpt-io")
         self._tracker = ChangeTracker(dense_chunk_bytes, Hasher(self._executor, workers))
-        self._head: Manifest | None = None  # the step the next delta applies to
-        self._chain = ChainState(0, 0, 0)
-        self._sent_digest: str | None = None  # this rank's last local plan, as sent
-        self._planner = GlobalPlanner(self.world_size)
-        self._take_over = take_over
-        self._lease: lease.Lease | None = None  # coordinator: held from the first save on
+        self._saver = Saver(self.store, self._coll, self.policy, self._tracker, self._pool,
+                            self._executor, self._sizes, self._quantize, take_over=take_over)
+        self._background = Background()
+        _warm_kernels()
 
     @property
     def rank(self) -> int:
@@ -175,94 +170,53 @@ class Checkpointer:
 
     # -- save -----------------------------------------------------------------------------------
 
-    def save(self, step: int, state: Mapping[str, Any]) -> SaveInfo:
+    @overload
+    def save(self, step: int, state: Mapping[str, Any], *, blocking: Literal[True] = True) -> SaveInfo: ...
+
+    @overload
+    def save(self, step: int, state: Mapping[str, Any], *, blocking: Literal[False]) -> SaveHandle: ...
+
+    def save(self, step: int, state: Mapping[str, Any], *,
+             blocking: bool = True) -> SaveInfo | SaveHandle:
         """Saves ``state`` as ``step``: a base or a delta against the last step saved or restored.
 
         Every rank of the process group calls it with the same step; each passes its own state
-        (its shards, and replicas of everything else).
+        (its shards, and replicas of everything else). A save still in flight is waited for first.
 
         Args:
             step: the training step; must be after every committed step.
             state: nested dict of tensors, :class:`Shard` s, DTensors, modules, optimizers and
                 JSON-able values.
+            blocking: False returns as soon as every rank has staged what the save writes (the
+                state may change from then on); the write and the commit run in the background.
 
         Returns:
-            What was written, over all ranks.
+            What was written, over all ranks; without ``blocking``, a
+            :class:`~deltackpt.save.pending.SaveHandle` whose ``result()`` returns it.
 
         Raises:
             StepExistsError: ``step`` is committed already or not after the latest step.
             StateError: ``state`` holds something that cannot be saved.
             StoreError: writing failed; nothing was committed, and the changes it would have
-                saved go into the next save.
+                saved go into the next save (raised by the next call after a background save).
             CheckpointAborted: on several ranks, any rank's failure, a dead or hung rank.
         """
+        self.wait()
         t0 = time.perf_counter()
-        storage = self.store.storage
-        sent, local = self._coll.each("plan_local", lambda: self._plan_local(step, state))
-        plan = self._global_plan(sent)
-        self._sent_digest = local.digest
-        items = write_items(plan, self.rank, local)
-        scans, changes = self._coll.each("scan", lambda: scan(self._tracker, items, self._quantize))
-        save = self._coll.one("decide", lambda: decide(
-            self.policy, self._head, self._chain, plan, [s for per_rank in scans for s in per_rank],
-            step=step, attempt=self.store.new_attempt(step), quantize=self._quantize.choices(plan.tensors)))
-        writers = [open_writer(storage, save, self.rank, self._pool, self._executor)]
-        if self._coll.is_coordinator:
-            writers.append(StepWriter(storage, f"{STEPS}/{save.attempt}", self._pool, self._executor))
+        finish = self._saver.stage(step, state, t0)
+        if blocking:
+            return finish(None)
+        blocked = time.perf_counter() - t0
+        return self._background.start(step, blocked, partial(finish, blocked))
 
-        def stage_and_write() -> tuple[WriteResult, dict[str, TensorChange]]:
-            staged = stage(writers, self._pool, save, items, changes, self._sizes,
-                           coordinator=self._coll.is_coordinator)
-            return write(storage, writers), staged
+    def wait(self) -> SaveInfo | None:
+        """Waits for the save in flight, if any, and returns what it wrote.
 
-        results, staged = self._coll.each("write", stage_and_write)
-        manifest = self._coll.one("commit", lambda: commit(
-            self.store, save, results, head=self._head, world_size=self.world_size, sizes=self._sizes,
-            policy=self.policy.name, lease=self._lease, restores=self._quantize.recorded_restores))
-        self._advance(save.kind, manifest, {it.key: it.tensor for it in items}, staged)
-        rows = sum(r.changed for r in manifest.tensors.values() if len(r.shape) >= 2)
-        info = SaveInfo(step, save.kind, manifest.bytes_written, manifest.state_bytes, rows,
-                        time.perf_counter() - t0, save.reason)
-        if self._coll.is_coordinator:
-            log.info("saved step %d: %s, %d B of %d B in %.3f s", step, save.kind, info.bytes_written,
-                     info.state_bytes, info.seconds)
-        return info
-
-    def _plan_local(self, step: int, state: Mapping[str, Any]
-                    ) -> tuple[tuple[int, str, LocalPlan | None], LocalState]:
-        """This rank's local state, and what the coordinator needs of it (the plan only when it
-        changed since the last save)."""
-        self.store.storage.point("plan_local", "")
-        local = plan_local(step, state, self.rank, self._sizes)
-        return (step, local.digest, None if local.digest == self._sent_digest else local.plan), local
-
-    def _advance(self, kind: Kind, manifest: Manifest, tensors: dict[str, torch.Tensor],
-                 changes: dict[str, TensorChange]) -> None:
-        """After a commit: the change tracker's reference and the chain the next delta extends."""
-        if kind == Kind.BASE or not getattr(self.policy, "differential", False):
-            self._tracker.adopt(tensors, changes)
-            self._head = manifest
-        # A differential policy's deltas all apply to the base: keep it as the reference.
-        self._chain = (
-            ChainState(0, 0, manifest.bytes_written) if kind == Kind.BASE
-            else ChainState(self._chain.deltas + 1, self._chain.delta_bytes + manifest.bytes_written,
-                            self._chain.base_bytes)
-        )
-
-    def _global_plan(self, sent: list[tuple[int, str, LocalPlan | None]]) -> GlobalPlan:
-        """The coordinator's global plan, reused while every rank's local plan is unchanged."""
-
-        def plan_global() -> GlobalPlan | None:
-            self.store.storage.point("plan_global", "")
-            return self._planner.update(sent, self._admit)
-
-        return self._planner.adopt(sent, self._coll.one("plan_global", plan_global))
-
-    def _admit(self, step: int) -> None:
-        """Coordinator: ``step`` may be saved, and this checkpointer holds the writer lease."""
-        self.store.check_new_step(step)
-        if self._lease is None:
-            self._lease = lease.acquire(self.store, lease.holder_id(), take_over=self._take_over)
+        Raises:
+            DeltackptError: it failed (unless its handle raised that already); nothing of it was
+                committed, and its changes go into the next save.
+        """
+        return self._background.wait()
 
     # -- load and restore ---------------------------------------------------------------------
 
@@ -288,6 +242,7 @@ class Checkpointer:
             StepNotFoundError: ``step`` is not committed.
             BrokenChainError, IntegrityError, MissingChunkError: the store is damaged.
         """
+        self.wait()
         chain = self.store.chain(self._resolve(step))
         return read_step(self.store.storage, chain, self._pool, self._executor, row_shard=row_shard)
 
@@ -312,6 +267,7 @@ class Checkpointer:
             StepNotFoundError, BrokenChainError, IntegrityError: as for :meth:`load`.
             CheckpointAborted: on several ranks, any rank's failure.
         """
+        self.wait()
         chain = self._coll.one("read_chain", lambda: self.store.chain(self._resolve(step)))
         m = chain[-1]
 
@@ -330,10 +286,9 @@ class Checkpointer:
             self._tracker.reset({k: s.local.contiguous() for k, s in restored.items()})
 
         self._coll.all("restore_read", read)
-        self._head = m
         self._quantize.restored(m.quantize)
-        self._chain = ChainState(m.chain_length, sum(c.bytes_written for c in chain[1:]),
-                                 chain[0].bytes_written)
+        self._saver.restored(m, ChainState(m.chain_length, sum(c.bytes_written for c in chain[1:]),
+                                           chain[0].bytes_written))
         return m.step
 
     def verify(
@@ -435,11 +390,14 @@ class Checkpointer:
     # -- lifetime -------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Waits for pending I/O, releases the writer lease and the threads."""
-        if self._lease is not None:
-            lease.release(self.store, self._lease)
-            self._lease = None
-        self._executor.shutdown(wait=True)
+        """Waits for the save in flight and pending I/O, releases the writer lease and the
+        threads; raises the save's error, if it failed, once everything is released."""
+        try:
+            self.wait()
+        finally:
+            self._background.close()
+            self._saver.release_lease()
+            self._executor.shutdown(wait=True)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -448,3 +406,12 @@ class Checkpointer:
         self.close()
 
 
+_warming: list[threading.Thread] = []
+
+
+def _warm_kernels() -> None:
+    """Compiles the hash and mark kernels once per process, on a background thread, so the first
+    save does not wait for the compiler (it waits for this thread only if it is still running)."""
+    if not _warming:
+        _warming.append(threading.Thread(target=kernels.warm, name="deltackpt-warm", daemon=True))
+        _warming[0].start()

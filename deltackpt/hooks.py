@@ -27,6 +27,7 @@ from torch import nn
 
 from .checkpointer import Checkpointer, SaveInfo
 from .errors import HookClosedError, StateError
+from .save.pending import SaveHandle
 from .statetree import is_stateful, key_part
 from .storage import Storage
 from .tracking.rows import TrackHandle
@@ -55,6 +56,8 @@ class CheckpointHook:
         model: the model whose embedding rows to track; default ``state["model"]`` when that is
             an ``nn.Module``. It must be somewhere in ``state`` (nested mappings and lists).
         track: whether to track rows; without it every save finds changes by hashing.
+        blocking: whether a save blocks until it committed; by default it returns once the state
+            is staged and writes in the background (see :meth:`Checkpointer.save`).
 
     Raises:
         ValueError: ``every`` is not a positive int.
@@ -68,6 +71,7 @@ class CheckpointHook:
         ...     for step in range(1, 5):
         ...         state["step"] = step
         ...         _ = hook.on_step_end(step)
+        ...     _ = hook.checkpointer.wait()
         ...     hook.checkpointer.steps()
         [2, 4]
     """
@@ -80,6 +84,7 @@ class CheckpointHook:
         every: int,
         model: nn.Module | None = None,
         track: bool = True,
+        blocking: bool = False,
     ):
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"every must be a positive int, got {every!r}")
@@ -87,6 +92,7 @@ class CheckpointHook:
             raise StateError(f"state must be a mutable mapping, got {type(state).__name__}")
         self.every = every
         self.state = state
+        self.blocking = blocking
         self._owned = not isinstance(checkpointer, Checkpointer)
         self.checkpointer: Checkpointer = (
             checkpointer if isinstance(checkpointer, Checkpointer) else Checkpointer(checkpointer))
@@ -142,7 +148,7 @@ class CheckpointHook:
                 # sort that coalesce() would cost; marking is idempotent.
                 self.checkpointer.mark(key, grad._indices()[0])
 
-    def on_step_end(self, step: int) -> SaveInfo | None:
+    def on_step_end(self, step: int) -> SaveInfo | SaveHandle | None:
         """Saves the state as ``step`` when ``step % every == 0``.
 
         Args:
@@ -160,14 +166,15 @@ class CheckpointHook:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         return self.save(step) if step % self.every == 0 else None
 
-    def save(self, step: int) -> SaveInfo | None:
+    def save(self, step: int) -> SaveInfo | SaveHandle | None:
         """Saves the state as ``step`` now, off the schedule (e.g. the last step of a run).
 
         Args:
             step: the steps done so far.
 
         Returns:
-            What the save did, or None when ``step`` is committed already.
+            What the save did (a handle to it unless the hook blocks), or None when ``step``
+            is committed already.
 
         Raises:
             HookClosedError: the hook is closed.
@@ -177,7 +184,9 @@ class CheckpointHook:
         if step in self.checkpointer.steps():
             log.warning("step %d is committed already; not saving it again", step)
             return None
-        return self.checkpointer.save(step, self.state)
+        if self.blocking:
+            return self.checkpointer.save(step, self.state)
+        return self.checkpointer.save(step, self.state, blocking=False)
 
     def restore(self, step: int | None = None) -> int | None:
         """Restores ``step`` (default: the latest) into the state in place.
@@ -200,7 +209,8 @@ class CheckpointHook:
     # -- lifetime -------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Removes the tracking hooks, and closes the checkpointer if the hook opened it.
+        """Waits for the save in flight, removes the tracking hooks, and closes the checkpointer if
+        the hook opened it.
 
         Calling it again does nothing.
         """
@@ -212,6 +222,8 @@ class CheckpointHook:
             self._handle = None
         if self._owned:
             self.checkpointer.close()
+        else:
+            self.checkpointer.wait()
 
     @property
     def closed(self) -> bool:

@@ -124,3 +124,19 @@ def mark_rows(mask: torch.Tensor, ids: torch.Tensor, *, backend: str = "auto") -
 def gather_rows(t: torch.Tensor, ids: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """Returns ``t[ids]`` (rows along dimension 0) as a new contiguous tensor."""
     return _impl(t, backend).gather_rows(t, ids)
+
+
+def warm() -> None:
+    """Compiles the CPU kernels, or loads them from numba's cache, on tiny inputs of every
+    signature a save uses, so that no save pays for it: a checkpointer runs this on a background
+    thread when it is built.
+
+    Example:
+        >>> warm()
+    """
+    hash_rows(torch.zeros(2, 8, dtype=torch.uint8), backend="torch")  # rows of whole 8-byte words
+    hash_rows(torch.zeros(2, 3, dtype=torch.uint8), backend="torch")  # rows of any bytes
+    hash_chunks(torch.zeros(24, dtype=torch.uint8), 8, backend="torch")
+    mask = torch.zeros(4, dtype=torch.bool)
+    mark_rows(mask, torch.tensor([1], dtype=torch.int64), backend="torch")
+    mark_rows(mask, torch.tensor([2], dtype=torch.int32), backend="torch")

@@ -38,6 +38,7 @@ from ..errors import DeltackptError
 from ..format import dtypes
 from ..hooks import CheckpointHook
 from ..quantization import Rowwise
+from ..save.pending import SaveHandle
 from ..sharding import Shard, row_block
 from . import SPARSE_OPTIMIZERS, deterministic, dlrm_run, train
 from . import demo_report as report
@@ -69,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--every", type=int, default=40, metavar="K", help="checkpoint every K steps (default 40)")
     opt("--base-every", type=int, default=5, metavar="N",
         help="a full base every N checkpoints, deltas between (default 5)")
+    opt("--blocking", action="store_true",
+        help="save synchronously (by default a save returns once the state is staged and "
+             "writes in the background)")
     opt("--restore-step", type=int, default=None, metavar="STEP",
         help="the checkpoint to restore and resume from (default: a delta near the middle)")
     opt("--ranks", type=int, default=2, metavar="M",
@@ -205,16 +209,19 @@ def train_with_checkpoints(
     t0 = time.perf_counter()
     with Checkpointer(store, base_every=args.base_every, quantize=quantize) as ckpt:
         def on_save(info: SaveInfo) -> None:
-            if info.step == pick:
-                kept.append(snapshot(state))
             m = ckpt.store.manifest(info.step)
             changed = sum(m.tensors[k].changed for k in tables)
             saves.append(out.checkpoint(info, changed, rows_total))
 
-        with _DemoHook(ckpt, state, every=args.every, on_save=on_save) as hook, \
-                out.progress(args.steps, "train") as bar:
+        def on_staged(step: int) -> None:  # the state is the saved one until training goes on
+            if step == pick:
+                kept.append(snapshot(state))
+
+        with _DemoHook(ckpt, state, every=args.every, on_staged=on_staged, on_save=on_save,
+                       blocking=args.blocking) as hook, out.progress(args.steps, "train") as bar:
             hook.bar = bar
             train(state, loss, args.steps, hook=hook)
+            hook.flush()
         chain = [m.step for m in ckpt.store.chain(pick)]
     out.trained(args.steps, time.perf_counter() - t0, saves)
     return saves, kept, snapshot(state), chain
@@ -249,20 +256,33 @@ def quantized_run(data: CriteoConfig, args: argparse.Namespace, shapes: dict[str
 
 
 class _DemoHook(CheckpointHook):
-    """The hook, reporting each save and advancing the progress bar."""
+    """The hook, reporting each save once it committed and advancing the progress bar."""
 
-    def __init__(self, *args: Any, on_save: Any, **kwargs: Any):
+    def __init__(self, *args: Any, on_staged: Any, on_save: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        self._on_staged = on_staged
         self._on_save = on_save
+        self._pending: list[SaveHandle] = []
         self.bar: Any = None
 
-    def on_step_end(self, step: int) -> SaveInfo | None:
-        info = super().on_step_end(step)
-        if info is not None:
-            self._on_save(info)
+    def on_step_end(self, step: int) -> SaveInfo | SaveHandle | None:
+        out = super().on_step_end(step)
+        if out is not None:
+            self._on_staged(out.step)
+            if isinstance(out, SaveInfo):
+                self._on_save(out)
+            else:
+                self._pending.append(out)
+        while self._pending and self._pending[0].done():
+            self._on_save(self._pending.pop(0).result())
         if self.bar is not None:
             self.bar.update(1)
-        return info
+        return out
+
+    def flush(self) -> None:
+        """Reports the saves still in flight, once they committed."""
+        while self._pending:
+            self._on_save(self._pending.pop(0).result())
 
 
 def resume(

@@ -55,7 +55,7 @@ class Output:
             f"store: {store}",
             "",
             f"{'step':>6}  {'kind':<5}  {'table rows changed':>18}  {'written':>10}  "
-            f"{'full ckpt':>10}  {'smaller':>7}  {'save':>7}",
+            f"{'full ckpt':>10}  {'smaller':>7}  {'save':>7}  {'blocked':>7}",
         ])
 
     def checkpoint(self, info: SaveInfo, rows_changed: int, rows_total: int) -> dict[str, Any]:
@@ -63,24 +63,26 @@ class Output:
                "rows_total": rows_total, "bytes_written": info.bytes_written,
                "full_bytes": info.state_bytes,
                "ratio": round(info.state_bytes / max(1, info.bytes_written), 2),
-               "seconds": round(info.seconds, 4)}
+               "seconds": round(info.seconds, 4), "blocked_seconds": round(info.blocked_seconds, 4)}
         share = 100 * rows_changed / rows_total
         self._emit("checkpoint", doc,
                    f"{info.step:>6}  {info.kind:<5}  {rows_changed:>10,} {share:>5.1f} %"
                    f"  {fmt_bytes(info.bytes_written):>10}  {fmt_bytes(info.state_bytes):>10}"
-                   f"  {doc['ratio']:>6.1f}x  {info.seconds:>5.2f} s")
+                   f"  {doc['ratio']:>6.1f}x  {info.seconds:>5.2f} s  {info.blocked_seconds:>5.2f} s")
         return doc
 
     def trained(self, steps: int, seconds: float, saves: list[dict[str, Any]]) -> None:
         written = sum(s["bytes_written"] for s in saves)
         full = sum(s["full_bytes"] for s in saves)
         save_s = sum(s["seconds"] for s in saves)
+        blocked_s = sum(s["blocked_seconds"] for s in saves)
         deltas = [s for s in saves if s["kind"] == "delta"]
         doc = {"steps": steps, "seconds": round(seconds, 3), "save_seconds": round(save_s, 3),
+               "blocked_seconds": round(blocked_s, 3),
                "checkpoints": len(saves), "bytes_written": written, "full_bytes": full}
         lines = ["",
-                 f"trained {steps} steps in {seconds:.1f} s, {save_s:.1f} s of it in {len(saves)} "
-                 f"saves; wrote {fmt_bytes(written)} where full checkpoints write "
+                 f"trained {steps} steps in {seconds:.1f} s, blocked {blocked_s:.1f} s of it by "
+                 f"{len(saves)} saves ({save_s:.1f} s from call to commit); wrote {fmt_bytes(written)} where full checkpoints write "
                  f"{fmt_bytes(full)} ({full / max(1, written):.1f}x less)"]
         if deltas:
             frac = sum(s["rows_changed"] for s in deltas) / sum(s["rows_total"] for s in deltas)

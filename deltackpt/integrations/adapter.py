@@ -17,6 +17,8 @@ class AdapterSettings:
         every: save every this many optimizer steps.
         resume: restore before training: True for the latest step, or a step.
         track: track embedding rows by marks.
+        blocking: whether saves block training until they commit (default: they write and
+            commit in the background once the state is staged).
 
     Raises:
         ValueError: ``every`` is not a positive int.
@@ -29,6 +31,7 @@ class AdapterSettings:
         every: int,
         resume: bool | int = False,
         track: bool = True,
+        blocking: bool = False,
     ):
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"every must be a positive int, got {every!r}")
@@ -36,6 +39,7 @@ class AdapterSettings:
         self.every = every
         self.resume = resume
         self.track = track
+        self.blocking = blocking
         self.hook: CheckpointHook | None = None
         self.restored_step: int | None = None
 

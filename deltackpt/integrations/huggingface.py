@@ -75,7 +75,7 @@ class DeltackptTrainerCallback(AdapterSettings, TrainerCallback):
             saved["sched"] = {"0": lr_scheduler}
         saved.update(trainer=_TrainerCounters(state), step=state.global_step, rng=RngState())
         self.hook = CheckpointHook(self.checkpointer, saved, every=self.every, model=model,
-                                   track=self.track)
+                                   track=self.track, blocking=self.blocking)
         if self.resume is not False:
             self.restored_step = self.hook.restore(None if self.resume is True else self.resume)
 

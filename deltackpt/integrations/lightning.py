@@ -67,7 +67,7 @@ class DeltackptCallback(AdapterSettings, pl.Callback):
             "rng": RngState(),
         }
         self.hook = CheckpointHook(self.checkpointer, state, every=self.every, model=pl_module,
-                                   track=self.track)
+                                   track=self.track, blocking=self.blocking)
         if self.resume is not False:
             self.restored_step = self.hook.restore(None if self.resume is True else self.resume)
 

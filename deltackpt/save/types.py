@@ -100,8 +100,9 @@ class SaveInfo:
         bytes_written: bytes of every file written.
         state_bytes: bytes of every tensor of the state (what a full checkpoint writes).
         rows_changed: rows written for row-sparse tensors (all rows, for a base).
-        seconds: wall time of the save on this rank.
+        seconds: wall time of the save on this rank, from the call to the commit.
         reason: why the policy chose this kind.
+        blocked_seconds: how long the call blocked the caller (``seconds`` for a blocking save).
     """
 
     step: int
@@ -111,3 +112,4 @@ class SaveInfo:
     rows_changed: int
     seconds: float
     reason: str
+    blocked_seconds: float = 0.0

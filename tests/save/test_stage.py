@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import deltackpt.checkpointer as checkpointer_module
+import deltackpt.save.saver as saver_module
 from deltackpt import Checkpointer, MemoryStorage
 
 
@@ -15,7 +15,7 @@ def test_changing_the_state_after_stage_does_not_change_the_step(monkeypatch, de
     table = torch.randn(300, 16, generator=torch.Generator().manual_seed(0))
     vec = torch.randn(1000, generator=torch.Generator().manual_seed(1))
     state = {"table": table, "vec": vec, "gpu_like": torch.arange(10.0)}
-    real_write = checkpointer_module.write
+    real_write = saver_module.write
 
     def scribble_then_write(storage, writers):
         for t in (table, vec, state["gpu_like"]):
@@ -27,7 +27,7 @@ def test_changing_the_state_after_stage_does_not_change_the_step(monkeypatch, de
                       dense_chunk_bytes=dense_chunk_bytes) as ckpt:
         want = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
         with monkeypatch.context() as patch:
-            patch.setattr(checkpointer_module, "write", scribble_then_write)
+            patch.setattr(saver_module, "write", scribble_then_write)
             assert ckpt.save(1, state).kind == "base"
         got = ckpt.load(1)
         assert all(torch.equal(got[k], want[k]) for k in want)
@@ -37,7 +37,7 @@ def test_changing_the_state_after_stage_does_not_change_the_step(monkeypatch, de
         vec[999] += 1
         want = {"table": table.clone(), "vec": vec.clone(), "gpu_like": state["gpu_like"].clone()}
         with monkeypatch.context() as patch:
-            patch.setattr(checkpointer_module, "write", scribble_then_write)
+            patch.setattr(saver_module, "write", scribble_then_write)
             assert ckpt.save(2, state).kind == "delta"
         got = ckpt.load(2)
         assert torch.equal(got["table"], want["table"]) and torch.equal(got["vec"], want["vec"])

@@ -45,6 +45,7 @@ def test_saves_on_the_schedule(store_path):
             if info is not None:
                 saved.append((step, info.step))
         assert saved == [(3, 3), (6, 6), (9, 9)]
+        hook.checkpointer.wait()  # saves commit in the background
         assert hook.checkpointer.steps() == [3, 6, 9]
         assert hook.save(10).step == 10  # off the schedule
         assert hook.checkpointer.load(6)["step"] == 6
@@ -63,6 +64,7 @@ def test_attaches_row_tracking_with_the_table_optimizer(store_path):
         assert hook.tracked_keys == tuple(f"model/embeddings.{i}.weight" for i in range(26))
         with deterministic(0):
             train(state, loss, 4, hook=hook)
+        ckpt.wait()
         assert ckpt.steps() == [2, 4]
 
 
@@ -70,7 +72,7 @@ def test_model_found_anywhere_in_the_state(store_path):
     model = nn.Sequential(nn.Embedding(10, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     state = {"run": {"nets": [model]}, "opts": {"a/b": opt}}
-    with CheckpointHook(store_path, state, every=1, model=model) as hook:
+    with CheckpointHook(store_path, state, every=1, model=model, blocking=True) as hook:
         assert hook.tracked_keys == ("run/nets/0/0.weight",)
         model(torch.tensor([1, 2])).sum().backward()
         opt.step()
@@ -94,7 +96,7 @@ def test_before_optimizer_step_marks_sparse_gradients_the_hooks_miss(store_path)
     state = TrainState(model, {"sgd": opt})
     ckpt = Checkpointer(store_path)
     ckpt.mark = spy = Spy(ckpt.mark)
-    with ckpt, CheckpointHook(ckpt, state, every=1) as hook:
+    with ckpt, CheckpointHook(ckpt, state, every=1, blocking=True) as hook:
         assert hook.tracked_keys == ("model/bag.weight",)
         hook.on_step_end(0)
         opt.zero_grad(set_to_none=True)
@@ -129,7 +131,7 @@ def test_restore_returns_the_step(store_path):
 
 def test_committed_steps_are_not_saved_again(store_path, caplog):
     state = {"w": torch.zeros(3), "step": 0}
-    with CheckpointHook(store_path, state, every=1) as hook:
+    with CheckpointHook(store_path, state, every=1, blocking=True) as hook:
         for step in (1, 2):
             state["step"] = step
             hook.on_step_end(step)

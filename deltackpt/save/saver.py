@@ -1,0 +1,166 @@
+"""A checkpointer's saves, phase after phase, and what carries from one save to the next: the
+step the next delta applies to, the chain so far, the cached global plan and the writer lease.
+
+:meth:`Saver.stage` runs ``plan_local``, ``plan_global``, ``scan``, ``decide`` and ``stage`` on the
+calling thread and returns the rest of the save, ``write`` and ``commit``, as a function the
+checkpointer runs at once (a blocking save) or in the background.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
+from functools import partial
+from typing import Any
+
+import torch
+
+from ..collectives import Collective
+from ..format.layout import STEPS
+from ..format.manifest import Manifest
+from ..io.staging import StagingPool
+from ..io.writer import StepWriter
+from ..ops import lease
+from ..policy import BasePolicy, ChainState
+from ..quantization import QuantizePlan
+from ..store import Store
+from ..tracking.changes import ChangeTracker, TensorChange
+from .commit import commit
+from .decide import decide
+from .local import plan_local, write_items
+from .planner import GlobalPlan, GlobalPlanner, LocalPlan
+from .scan import scan
+from .stage import open_writer, stage, write
+from .types import Kind, LocalState, SaveInfo, SavePlan
+
+log = logging.getLogger(__name__)
+
+
+class Saver:
+    """Runs the saves of one checkpointer (see :mod:`deltackpt.checkpointer` for the protocol).
+
+    Args:
+        store: the store.
+        coll: the ranks that save together.
+        policy: base or delta.
+        tracker: the change tracker (shared with the checkpointer's ``track``, ``mark``, ``restore``).
+        pool: staging buffers.
+        executor: the I/O threads.
+        sizes: ``(chunk_bytes, dense_chunk_bytes)``.
+        quantize: the lossy-delta rules and the restores made.
+        take_over: take the writer lease even if another job holds it.
+    """
+
+    def __init__(self, store: Store, coll: Collective, policy: BasePolicy, tracker: ChangeTracker,
+                 pool: StagingPool, executor: Executor, sizes: tuple[int, int], quantize: QuantizePlan,
+                 *, take_over: bool):
+        self.store = store
+        self._coll = coll
+        self.policy = policy
+        self._tracker = tracker
+        self._pool = pool
+        self._executor = executor
+        self._sizes = sizes
+        self._quantize = quantize
+        self._take_over = take_over
+        self._head: Manifest | None = None  # the step the next delta applies to
+        self._chain = ChainState(0, 0, 0)
+        self._sent_digest: str | None = None  # this rank's last local plan, as sent
+        self._planner = GlobalPlanner(coll.size)
+        self._lease: lease.Lease | None = None  # coordinator: held from the first save on
+
+    def stage(self, step: int, state: Mapping[str, Any], t0: float
+              ) -> Callable[[float | None], SaveInfo]:
+        """Every phase up to ``stage``; returns ``finish(blocked_seconds)``, the write and commit
+        (``blocked_seconds`` None: the caller waits for them too)."""
+        storage = self.store.storage
+        sent, local = self._coll.each("plan_local", lambda: self._plan_local(step, state))
+        plan = self._global_plan(sent)
+        self._sent_digest = local.digest
+        items = write_items(plan, self._coll.rank, local)
+        scans, changes = self._coll.each("scan", lambda: scan(self._tracker, items, self._quantize))
+        save = self._coll.one("decide", lambda: decide(
+            self.policy, self._head, self._chain, plan, [s for per_rank in scans for s in per_rank],
+            step=step, attempt=self.store.new_attempt(step),
+            quantize=self._quantize.choices(plan.tensors)))
+        writers = [open_writer(storage, save, self._coll.rank, self._pool, self._executor)]
+        if self._coll.is_coordinator:
+            writers.append(StepWriter(storage, f"{STEPS}/{save.attempt}", self._pool, self._executor))
+        try:
+            _, staged = self._coll.each("stage", lambda: (None, stage(
+                writers, self._pool, save, items, changes, self._sizes,
+                coordinator=self._coll.is_coordinator)))
+        except BaseException:
+            for w in writers:  # another rank failed: end the writes staged here
+                w.abandon()
+            raise
+        tensors = {it.key: it.tensor for it in items}
+        return partial(self._write_and_commit, save, writers, tensors, staged, t0)
+
+    def _write_and_commit(self, save: SavePlan, writers: list[StepWriter],
+                          tensors: dict[str, torch.Tensor], staged: dict[str, TensorChange],
+                          t0: float, blocked: float | None) -> SaveInfo:
+        """The phases after ``stage``, on the caller's thread or in the background."""
+        storage = self.store.storage
+        results, _ = self._coll.each("write", lambda: (write(storage, writers), None))
+        manifest = self._coll.one("commit", lambda: commit(
+            self.store, save, results, head=self._head, world_size=self._coll.size, sizes=self._sizes,
+            policy=self.policy.name, lease=self._lease, restores=self._quantize.recorded_restores))
+        self._advance(save.kind, manifest, tensors, staged)
+        rows = sum(r.changed for r in manifest.tensors.values() if len(r.shape) >= 2)
+        seconds = time.perf_counter() - t0
+        info = SaveInfo(save.step, save.kind, manifest.bytes_written, manifest.state_bytes, rows,
+                        seconds, save.reason, seconds if blocked is None else blocked)
+        if self._coll.is_coordinator:
+            log.info("saved step %d: %s, %d B of %d B in %.3f s (%.3f s blocked)", save.step,
+                     save.kind, info.bytes_written, info.state_bytes, info.seconds,
+                     info.blocked_seconds)
+        return info
+
+    def _plan_local(self, step: int, state: Mapping[str, Any]
+                    ) -> tuple[tuple[int, str, LocalPlan | None], LocalState]:
+        """This rank's local state, and what the coordinator needs of it (the plan only when it
+        changed since the last save)."""
+        self.store.storage.point("plan_local", "")
+        local = plan_local(step, state, self._coll.rank, self._sizes)
+        return (step, local.digest, None if local.digest == self._sent_digest else local.plan), local
+
+    def _advance(self, kind: Kind, manifest: Manifest, tensors: dict[str, torch.Tensor],
+                 changes: dict[str, TensorChange]) -> None:
+        """After a commit: the change tracker's reference and the chain the next delta extends."""
+        if kind == Kind.BASE or not getattr(self.policy, "differential", False):
+            self._tracker.adopt(tensors, changes)
+            self._head = manifest
+        # A differential policy's deltas all apply to the base: keep it as the reference.
+        self._chain = (
+            ChainState(0, 0, manifest.bytes_written) if kind == Kind.BASE
+            else ChainState(self._chain.deltas + 1, self._chain.delta_bytes + manifest.bytes_written,
+                            self._chain.base_bytes)
+        )
+
+    def _global_plan(self, sent: list[tuple[int, str, LocalPlan | None]]) -> GlobalPlan:
+        """The coordinator's global plan, reused while every rank's local plan is unchanged."""
+
+        def plan_global() -> GlobalPlan | None:
+            self.store.storage.point("plan_global", "")
+            return self._planner.update(sent, self._admit)
+
+        return self._planner.adopt(sent, self._coll.one("plan_global", plan_global))
+
+    def _admit(self, step: int) -> None:
+        """Coordinator: ``step`` may be saved, and this checkpointer holds the writer lease."""
+        self.store.check_new_step(step)
+        if self._lease is None:
+            self._lease = lease.acquire(self.store, lease.holder_id(), take_over=self._take_over)
+
+    def restored(self, head: Manifest, chain: ChainState) -> None:
+        """After a restore: the next delta applies to ``head``."""
+        self._head = head
+        self._chain = chain
+
+    def release_lease(self) -> None:
+        if self._lease is not None:
+            lease.release(self.store, self._lease)
+            self._lease = None

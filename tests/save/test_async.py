@@ -1,0 +1,152 @@
+"""Saves that return once the state is staged: what training does next never reaches the step,
+failures surface at the next call, and at most one save is in flight."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from deltackpt import Checkpointer, LocalStorage, StoreError
+from deltackpt.save.pending import SaveHandle
+from helpers import assert_same_state
+
+ROWS, DIM = 500, 8
+
+
+def model_and_optimizer(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=True), nn.Linear(DIM, 1))
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    return model, opt
+
+
+def step(model: nn.Module, opt: torch.optim.Optimizer, ids: list[int]) -> None:
+    opt.zero_grad()
+    model(torch.tensor([ids])).sum().backward()
+    opt.step()
+
+
+def snapshot(state: dict) -> dict:
+    return {k: copy.deepcopy(v.state_dict()) if hasattr(v, "state_dict") else v
+            for k, v in state.items()}
+
+
+@pytest.mark.parametrize("tracked", [True, False], ids=["marks", "hashing"])
+def test_training_right_after_the_call_does_not_reach_the_step(tmp_path, tracked):
+    model, opt = model_and_optimizer()
+    state = {"model": model, "optim": opt, "step": 0}
+    saved = {}
+    with Checkpointer(tmp_path, base_every=3, chunk_bytes=1024, memory_budget=4096) as ckpt:
+        if tracked:
+            ckpt.track(model, prefix="model", optimizer=opt)
+        for s in range(1, 8):
+            step(model, opt, [s, 3 * s % ROWS, 100 + s])
+            state["step"] = s
+            handle = ckpt.save(s, state, blocking=False)
+            assert isinstance(handle, SaveHandle) and handle.step == s and handle.blocked_seconds > 0
+            saved[s] = snapshot(state)
+            with torch.no_grad():  # training goes on at once
+                model[1].weight.add_(1.0)
+            step(model, opt, list(range(0, ROWS, 7)))
+        info = ckpt.wait()
+        assert info is not None and info.step == 7 and info.blocked_seconds <= info.seconds
+        kinds = [ckpt.store.manifest(s).kind for s in range(1, 8)]
+    assert kinds[0] == "base" and "delta" in kinds
+    with Checkpointer(tmp_path, create=False) as ckpt:
+        for s in range(1, 8):
+            fresh_model, fresh_opt = model_and_optimizer(seed=1)
+            fresh = {"model": fresh_model, "optim": fresh_opt, "step": 0}
+            step(fresh_model, fresh_opt, [0])  # the optimizer holds state to load into
+            ckpt.restore(fresh, s)
+            assert_same_state(snapshot(fresh), saved[s])
+
+
+def test_async_and_sync_runs_store_the_same_bits(tmp_path):
+    stores = {}
+    for blocking in (True, False):
+        model, opt = model_and_optimizer()
+        state = {"model": model, "optim": opt}
+        path = tmp_path / str(blocking)
+        with Checkpointer(path, base_every=4, chunk_bytes=1024, memory_budget=4096) as ckpt:
+            ckpt.track(model, prefix="model", optimizer=opt)
+            for s in range(1, 10):
+                step(model, opt, [s, 2 * s, 200 + s])
+                ckpt.save(s, state, blocking=blocking)
+        stores[blocking] = path
+    with Checkpointer(stores[True], create=False) as a, Checkpointer(stores[False], create=False) as b:
+        assert a.steps() == b.steps() == list(range(1, 10))
+        for s in a.steps():
+            assert_same_state(a.load(s), b.load(s))
+
+
+class GatedStorage(LocalStorage):
+    """Holds every data write until ``gate`` is set, or fails them while ``failing``."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.failing = False
+
+    def write(self, key, parts):
+        if "/steps/" in f"/{key}":
+            assert self.gate.wait(60)
+            if self.failing:
+                raise StoreError(28, f"injected full disk: {key}")
+        super().write(key, parts)
+
+
+def test_steps_change_only_at_commit_and_the_next_call_waits(tmp_path):
+    storage = GatedStorage(tmp_path)
+    t = torch.zeros(300, 4)
+    with Checkpointer(storage, chunk_bytes=1024, memory_budget=64 * 1024) as ckpt:
+        storage.gate.clear()
+        handle = ckpt.save(1, {"t": t}, blocking=False)
+        t += 5  # after the call: not in step 1
+        assert not handle.done() and ckpt.steps() == []
+        with pytest.raises(TimeoutError, match="step 1"):
+            handle.result(timeout=0.05)
+        storage.gate.set()
+        assert ckpt.load(1)["t"].sum() == 0  # load waits for the save in flight
+        assert handle.done() and ckpt.steps() == [1] and handle.result().kind == "base"
+        assert ckpt.wait() is None  # load waited for it already
+
+
+def test_a_failed_background_save_raises_at_the_next_call_and_loses_nothing(tmp_path):
+    storage = GatedStorage(tmp_path)
+    model, opt = model_and_optimizer()
+    state = {"model": model, "optim": opt}
+    with Checkpointer(storage, base_every=100, chunk_bytes=1024, memory_budget=8192) as ckpt:
+        ckpt.track(model, prefix="model", optimizer=opt)
+        step(model, opt, [1])
+        ckpt.save(1, state)
+        step(model, opt, [7, 9])
+        storage.failing = True
+        ckpt.save(2, state, blocking=False)  # staged; its writes fail behind training
+        step(model, opt, [11])
+        with pytest.raises(StoreError, match="injected full disk"):
+            ckpt.save(3, state, blocking=False)  # raises the failure before saving anything
+        storage.failing = False
+        assert ckpt.steps() == [1]
+        info = ckpt.save(3, state)
+        # Rows 7, 9 (of the failed save) and 11 of the table and of its Adagrad sum, and the
+        # Linear layer's one row of weight and of its sum.
+        assert info.kind == "delta" and info.rows_changed == 2 * 3 + 2
+        want = snapshot(state)
+    with Checkpointer(tmp_path, create=False) as ckpt:
+        assert ckpt.steps() == [1, 3]
+        assert_same_state(ckpt.load(3), want)
+
+
+def test_close_finishes_the_save_in_flight(tmp_path):
+    t = torch.arange(4000.0).reshape(1000, 4)
+    ckpt = Checkpointer(tmp_path, chunk_bytes=1024, memory_budget=4096)
+    ckpt.save(1, {"t": t}, blocking=False)
+    t.zero_()
+    ckpt.close()
+    with Checkpointer(tmp_path, create=False) as again:
+        assert again.steps() == [1] and torch.equal(again.load(1)["t"], torch.arange(4000.0).reshape(1000, 4))
