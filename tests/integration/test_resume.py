@@ -8,12 +8,20 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from helpers import assert_same_state
 
 from deltackpt import Checkpointer, EveryK
 from deltackpt.datasets import CriteoConfig, TokenStreamConfig
-from deltackpt.examples import GPTMoEConfig, TrainState, deterministic, dlrm_run, gpt_run, train
+from deltackpt.examples import (
+    GPTMoEConfig,
+    TrainState,
+    deterministic,
+    dlrm_run,
+    gpt_run,
+    train,
+)
 from deltackpt.hooks import CheckpointHook
-from helpers import assert_same_state
+from deltackpt.save.pending import SaveHandle
 
 # Train 8 steps saving every 2, a base every 4 saves whatever a delta costs (so the chain of
 # step 6 is the base at 2 and deltas at 4 and 6), restore 6.
@@ -33,15 +41,22 @@ def snapshot(state: TrainState) -> dict:
 
 
 class RecordingHook(CheckpointHook):
+    """Records the kind of every save (saved in the background: known once committed)."""
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.kinds: dict[int, str] = {}
+        self.saves: dict[int, SaveHandle] = {}
 
     def on_step_end(self, step):
-        info = super().on_step_end(step)
-        if info is not None:
-            self.kinds[step] = info.kind
-        return info
+        out = super().on_step_end(step)
+        if out is not None:
+            assert isinstance(out, SaveHandle)  # the hook saves in the background by default
+            self.saves[step] = out
+        return out
+
+    @property
+    def kinds(self) -> dict[int, str]:
+        return {step: handle.result().kind for step, handle in self.saves.items()}
 
 
 def uninterrupted(make: Run, path) -> tuple[dict, dict]:
