@@ -50,6 +50,7 @@ from .policy import (
 )
 from .quantization import ByRestores, QuantizationError, Rowwise
 from .rng import RngState
+from .save.pending import SaveHandle
 from .sharding import Shard
 from .storage import Capabilities, LocalStorage, MemoryStorage, Storage, open_storage
 from .tracking.marks import Canary
@@ -85,6 +86,7 @@ __all__ = [
     "Retention",
     "RngState",
     "Rowwise",
+    "SaveHandle",
     "SaveInfo",
     "ShapeMismatchError",
     "Shard",
