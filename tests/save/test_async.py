@@ -4,6 +4,8 @@ failures surface at the next call, and at most one save is in flight."""
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -150,3 +152,15 @@ def test_close_finishes_the_save_in_flight(tmp_path):
     ckpt.close()
     with Checkpointer(tmp_path, create=False) as again:
         assert again.steps() == [1] and torch.equal(again.load(1)["t"], torch.arange(4000.0).reshape(1000, 4))
+
+
+def test_interpreter_exit_finishes_the_save_in_flight(tmp_path):
+    code = ("import sys, torch, deltackpt\n"
+            "ckpt = deltackpt.Checkpointer(sys.argv[1], chunk_bytes=4096, memory_budget=16384)\n"
+            "t = torch.arange(200000.0)\n"
+            "ckpt.save(1, {'t': t}, blocking=False)\n"
+            "t.zero_()\n")  # and exit, without close() or wait()
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=300)
+    with Checkpointer(tmp_path, create=False) as ckpt:
+        assert ckpt.steps() == [1] and torch.equal(ckpt.load(1)["t"], torch.arange(200000.0))
+        assert ckpt.verify().ok
