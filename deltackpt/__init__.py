@@ -20,6 +20,7 @@ from .checkpointer import Checkpointer, SaveInfo
 from .errors import (
     BrokenChainError,
     CheckpointAborted,
+    ConvertError,
     DeltackptError,
     DtypeMismatchError,
     HookClosedError,
@@ -27,17 +28,21 @@ from .errors import (
     KeyMismatchError,
     ManifestError,
     MissingChunkError,
+    OutputExistsError,
     ShapeMismatchError,
     StateError,
     StepExistsError,
     StepNotFoundError,
     StorageFullError,
     StoreError,
+    StreamGapError,
     WriterConflictError,
 )
 from .hooks import CheckpointHook
 from .ops.compaction import CompactInfo
+from .ops.export import ExportInfo, export
 from .ops.gc import GCReport, Retention
+from .ops.importing import import_checkpoint
 from .ops.verify import VerifyReport
 from .policy import (
     BasePolicy,
@@ -53,6 +58,7 @@ from .rng import RngState
 from .save.pending import SaveHandle
 from .sharding import Shard
 from .storage import Capabilities, LocalStorage, MemoryStorage, Storage, open_storage
+from .stream import StepDelta, TensorDelta
 from .tracking.marks import Canary
 from .tracking.rows import TrackHandle
 
@@ -68,11 +74,13 @@ __all__ = [
     "CheckpointHook",
     "Checkpointer",
     "CompactInfo",
+    "ConvertError",
     "Decision",
     "DeltackptError",
     "Differential",
     "DtypeMismatchError",
     "EveryK",
+    "ExportInfo",
     "GCReport",
     "HookClosedError",
     "IntegrityError",
@@ -82,6 +90,7 @@ __all__ = [
     "ManifestError",
     "MemoryStorage",
     "MissingChunkError",
+    "OutputExistsError",
     "QuantizationError",
     "Retention",
     "RngState",
@@ -91,13 +100,18 @@ __all__ = [
     "ShapeMismatchError",
     "Shard",
     "StateError",
+    "StepDelta",
     "StepExistsError",
     "StepNotFoundError",
     "Storage",
     "StorageFullError",
     "StoreError",
+    "StreamGapError",
+    "TensorDelta",
     "TrackHandle",
     "VerifyReport",
     "WriterConflictError",
+    "export",
+    "import_checkpoint",
     "open_storage",
 ]

@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Literal, overload
@@ -55,6 +55,7 @@ from .save.saver import Saver
 from .save.types import SaveInfo
 from .storage import Storage, open_storage
 from .store import Store
+from .stream import StepDelta, deltas
 from .tracking.changes import ChangeTracker
 from .tracking.hashing import Hasher
 from .tracking.rows import Canary, TrackHandle
@@ -227,24 +228,35 @@ class Checkpointer:
                 raise StepNotFoundError(-1, [])
         return step
 
-    def load(self, step: int | None = None, *, row_shard: tuple[int, int] | None = None) -> dict[str, Any]:
+    def load(self, step: int | None = None, *, row_shard: tuple[int, int] | None = None,
+             keys: Sequence[str] | None = None, key: str | None = None, rows: Any = None) -> Any:
         """The state saved at ``step`` (default: the latest), with every tensor on the CPU.
 
-        Reads from the store alone, on the calling rank only (not a collective).
+        Reads from the store alone, on the calling rank only (not a collective); with ``keys``,
+        or ``key`` and ``rows``, only the chunks those need (see :mod:`deltackpt.io.partial`).
 
         Args:
             step: the step.
-            row_shard: ``(rank, world_size)`` to read only that rank's rows of a row-wise
-                sharding (blocks of ``ceil(rows / world_size)`` rows, as ``torch.chunk`` splits);
-                tensors with dimensions then come back as :class:`Shard` s, 0-d ones whole.
+            row_shard, keys, key, rows: a rank's row block, some tensors (a flat dict by key),
+                some rows of one tensor; see :func:`deltackpt.restore.load.read_step`.
 
         Raises:
             StepNotFoundError: ``step`` is not committed.
+            KeyMismatchError, StateError: a key selects nothing; a bad row, or ``rows`` alone.
             BrokenChainError, IntegrityError, MissingChunkError: the store is damaged.
         """
         self.wait()
-        chain = self.store.chain(self._resolve(step))
-        return read_step(self.store.storage, chain, self._pool, self._executor, row_shard=row_shard)
+        return read_step(self.store.storage, self.store.chain(self._resolve(step)), self._pool,
+                         self._executor, row_shard=row_shard, keys=keys, key=key, rows=rows)
+
+    def deltas(self, since: int | None = None) -> Iterator[StepDelta]:
+        """The delta stream after step ``since`` (None: from the first); see :mod:`deltackpt.stream`.
+
+        Raises:
+            StreamGapError: the steps after ``since`` were garbage-collected; start from a base.
+        """
+        self.wait()
+        return deltas(self.store, self._pool, self._executor, since)
 
     def restore(self, state: Mapping[str, Any], step: int | None = None) -> int:
         """Restores ``step`` (default: the latest) into ``state`` in place, on every rank.

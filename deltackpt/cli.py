@@ -1,4 +1,4 @@
-"""The ``deltackpt`` command line: ls, show, restore, verify, compact, gc, demo.
+"""The ``deltackpt`` command line: ls, show, restore, verify, compact, gc, export, import, tail, demo.
 
 Every command takes ``--help``; commands that print data take ``--json``. Bad input prints one
 line naming the problem and exits with status 1 (2 for a bad command line), without a traceback.
@@ -122,7 +122,10 @@ def cmd_restore(args: argparse.Namespace) -> int:
     out = os.path.abspath(args.out)
     written = []
     with Checkpointer(args.path, create=False) as ckpt:
-        if args.world_size is None:
+        if args.keys:
+            _save_atomic(ckpt.load(args.step, keys=args.keys), out)
+            written.append(out)
+        elif args.world_size is None:
             _save_atomic(ckpt.load(args.step), out)
             written.append(out)
         else:
@@ -251,6 +254,51 @@ def _add_retention(p: argparse.ArgumentParser) -> None:
                         "must exceed the longest save")
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from .ops.export import export
+
+    store = _store(args.path)
+    steps = store.steps()
+    step = args.step if args.step is not None or not steps else steps[-1]
+    total = store.manifest(step).state_bytes if step is not None else 0
+    with progress_bar(total, f"export {args.to}") as bar:
+        info = export(args.path, args.step, args.to, args.out, world_size=args.world_size,
+                      keys=args.keys, prefix=args.prefix, dtype=args.dtype, overwrite=args.force,
+                      shard_bytes=args.shard_bytes, memory_budget=args.memory_budget,
+                      progress=bar.update)
+    if args.json:
+        _print_json(asdict(info))
+    else:
+        print(f"exported step {info.step} to {info.out} ({info.format}): {info.tensors} tensors, "
+              f"{fmt_bytes(info.bytes)} in {info.seconds:.2f} s")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from .ops.importing import import_checkpoint
+
+    info = import_checkpoint(args.src, args.path, args.step)
+    if args.json:
+        _print_json(asdict(info))
+    else:
+        print(f"imported {args.src} as a {info.kind} at step {info.step} of {args.path}: "
+              f"{fmt_bytes(info.bytes_written)} written in {info.seconds:.2f} s")
+    return 0
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    from .tail import write_step_json, write_step_safetensors
+
+    with Checkpointer(args.path, create=False) as ckpt:
+        for delta in ckpt.deltas(since=args.from_step):
+            if args.out:
+                path = write_step_safetensors(delta, args.out)
+                print(json.dumps({"step": delta.step, "kind": delta.kind, "file": path}), flush=True)
+            else:
+                write_step_json(delta, sys.stdout)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .examples.demo import run_demo
 
@@ -285,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write one file per rank of a row-wise sharding over this many ranks: "
                         "{step, rank, world_size, state (local rows), shards (global shape and "
                         "offset by key)}")
+    p.add_argument("--keys", nargs="+", default=None, metavar="PATTERN",
+                   help="only these tensors (flat keys, prefixes or globs), written as a flat dict by key")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_restore)
 
@@ -307,6 +357,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="list what would go, delete nothing")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser("export", help="write a step as a DCP checkpoint, safetensors or a torch.save file")
+    p.add_argument("path", help="store directory")
+    p.add_argument("--step", type=int, default=None, help="the step (default: the latest)")
+    p.add_argument("--to", required=True, choices=["dcp", "safetensors", "torch"], help="the format")
+    p.add_argument("out", help="the folder (dcp, safetensors) or file (torch) to create")
+    p.add_argument("--world-size", type=int, default=None, metavar="M",
+                   help="dcp: lay tensors out as the row blocks of M ranks")
+    p.add_argument("--keys", nargs="+", default=None, metavar="PATTERN",
+                   help="only these tensors (flat keys, prefixes or globs), flat by dotted name")
+    p.add_argument("--prefix", default=None,
+                   help="only the state under this key (e.g. model), named relative to it")
+    p.add_argument("--dtype", default=None, help="convert floating-point tensors (e.g. bfloat16)")
+    p.add_argument("--shard-bytes", type=int, default=5 << 30, metavar="N",
+                   help="safetensors: split files above N bytes (default 5 GiB)")
+    p.add_argument("--memory-budget", type=int, default=256 << 20, metavar="N",
+                   help="bytes of reads in flight plus the block being written (default 256 MiB)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("import", help="commit a DCP checkpoint, safetensors or torch.save file as a base")
+    p.add_argument("src", help="a DCP folder, a safetensors file or folder, or a torch.save file")
+    p.add_argument("path", help="store directory (created if absent)")
+    p.add_argument("--step", type=int, required=True, help="the step to commit it as")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_import)
+
+    p = sub.add_parser("tail", help="print what changed at each step after --from, as JSON lines")
+    p.add_argument("path", help="store directory")
+    p.add_argument("--from", dest="from_step", type=int, default=None, metavar="S",
+                   help="the step the consumer holds (default: from the first step)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write step-<S>.safetensors files here instead, one line per step printed")
+    p.set_defaults(func=cmd_tail)
 
     p = sub.add_parser("demo", help="the main job: train a DLRM with checkpoints, restore it on "
                                     "several ranks and resume it, bit for bit")

@@ -149,3 +149,17 @@ class HookClosedError(DeltackptError, RuntimeError):
 # same way on every rank (a restore of an unknown step is a StepNotFoundError everywhere).
 REQUEST_ERRORS = (StepNotFoundError, StepExistsError, StateError, BrokenChainError, ManifestError,
                   WriterConflictError)
+
+
+class ConvertError(DeltackptError, ValueError):
+    """An export or import cannot be done as asked: a bad format or option, a dtype the target
+    format cannot hold, a source that is not a checkpoint of the named kind."""
+
+
+class OutputExistsError(ConvertError, FileExistsError):
+    """An export's output exists already and overwriting was not asked for."""
+
+
+class StreamGapError(DeltackptError, LookupError):
+    """A delta stream cannot continue from the consumer's step: the steps after it were
+    garbage-collected, so the consumer must start again from a base (``load(step)``)."""

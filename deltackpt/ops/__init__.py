@@ -1,2 +1,2 @@
 """Operations on a whole store beside saving and restoring: the writer lease, compaction, garbage
-collection and verification."""
+collection, verification, export and import."""
