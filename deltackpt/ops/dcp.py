@@ -75,10 +75,11 @@ def write_dcp(src: Any, folder: str, world_size: int) -> None:
                 for block in src.blocks(key, row, row + box.shape[0] if shape else None):
                     offsets = torch.Size((row, *[0] * (len(shape) - 1)) if shape else ())
                     row += block.shape[0] if shape else 0
-                    data = io.BytesIO()
-                    torch.save(block, data)
-                    storage[md.MetadataIndex(fqn, offsets)] = _append(
-                        fs, files[rank], f"__{rank}_0.distcp", data.getvalue())
+                    f = files[rank]
+                    at = f.tell()
+                    torch.save(block, f)
+                    storage[md.MetadataIndex(fqn, offsets)] = fs._StorageInfo(
+                        relative_path=f"__{rank}_0.distcp", offset=at, length=f.tell() - at)
                     chunks.append(md.ChunkStorageMetadata(offsets, block.shape))
             sd_meta[fqn] = md.TensorStorageMetadata(md.TensorProperties(dtype=src.dtype(key)),
                                                     torch.Size(src.snap.shape(key)), chunks)

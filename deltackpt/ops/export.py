@@ -268,20 +268,18 @@ def _write_safetensors_file(src: _Source, path: str, keys: list[str], meta: dict
 
 
 def _write_torch(src: _Source, path: str) -> None:
-    """A torch.save file written in two passes: torch.save of the state with fake tensors and
+    """A torch.save file written in two passes: torch.save of the state with empty tensors under
     ``skip_data`` lays out the zip with room for every storage; then each tensor's bytes are
     streamed into its record and the zip's CRC-32 fields are set to match."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
-        fakes = {k: torch.empty(src.snap.shape(k), dtype=src.dtype(k)) for k in src.sel.names}
+    # Never touched (skip_data writes no storage bytes), so these take address space, not memory.
+    fakes = {k: torch.empty(src.snap.shape(k), dtype=src.dtype(k)) for k in src.sel.names}
     if src.sel.tree is None:
         obj: Any = {src.sel.names[k]: fakes[k] for k in src.sel.names}
     else:
         obj = statetree.build(src.sel.tree, fakes)
     # torch.save names storages "0", "1", ... as pickling meets them: depth first, in order.
     order = [k for k in _pickle_order(obj, {id(v): k for k, v in fakes.items()})]
-    with torch.serialization.skip_data(materialize_fake_tensors=True):
+    with torch.serialization.skip_data():
         torch.save(obj, path)
     with zipfile.ZipFile(path) as z:
         records = {i.filename.split("/", 1)[1]: i for i in z.infolist() if "/" in i.filename}

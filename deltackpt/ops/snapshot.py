@@ -106,9 +106,11 @@ class Snapshot:
             step = steps[-1]
         self.chain = self.store.chain(step)
         self.manifest: Manifest = self.chain[-1]
-        self.block_bytes = memory_budget // 2
-        chunk = min(32 * MiB, memory_budget // 4)
+        # Two blocks at a time (one handed out, the next being read), and staging for the reads.
+        self.block_bytes = memory_budget // 4
+        chunk = min(32 * MiB, memory_budget // 8)
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="deltackpt-export")
+        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="deltackpt-export-ahead")
         self._reader = ChainReader(self.store.storage, self.chain,
                                    StagingPool(max(2, (memory_budget - self.block_bytes) // chunk), chunk),
                                    self._executor)
@@ -160,20 +162,25 @@ class Snapshot:
 
     def blocks(self, key: str, start: int = 0, stop: int | None = None) -> Iterator[torch.Tensor]:
         """Rows ``[start, stop)`` of ``key`` (all of a 0-d tensor) in blocks of at most
-        :meth:`rows_per_block` rows."""
+        :meth:`rows_per_block` rows; a caller must not hold on to a block past the next one."""
         shape = self.shape(key)
         if not shape:
             yield self.read(key)
             return
         stop = shape[0] if stop is None else stop
         step = self.rows_per_block(key)
-        for r in range(start, max(start, stop), step):
-            n = min(step, stop - r)
-            yield self.read(key, Box((r, *[0] * (len(shape) - 1)), (n, *shape[1:])))
-        if start >= stop:
-            yield torch.empty((0, *shape[1:]), dtype=self.dtype(key))
+        boxes = [Box((r, *[0] * (len(shape) - 1)), (min(step, stop - r), *shape[1:]))
+                 for r in range(start, stop, step)] or [Box((start, *[0] * (len(shape) - 1)), (0, *shape[1:]))]
+        # The next block is read while the caller writes this one.
+        pending = self._ahead.submit(self.read, key, boxes[0])
+        for nxt in [*boxes[1:], None]:
+            block = pending.result()
+            if nxt is not None:
+                pending = self._ahead.submit(self.read, key, nxt)
+            yield block
 
     def close(self) -> None:
+        self._ahead.shutdown(wait=True)
         self._executor.shutdown(wait=True)
 
     def __enter__(self) -> Snapshot:
