@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import Executor
+from functools import partial
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +56,8 @@ class TensorDelta:
         target = tensors[self.key]
         if target.dim() <= 1:
             target = target.view(-1)
-        index = (self.ids, *[slice(o, o + n) for o, n in zip(self.columns, self.values.shape[1:])])
+        index: tuple[torch.Tensor | slice, ...] = (
+            self.ids, *[slice(o, o + n) for o, n in zip(self.columns, self.values.shape[1:])])
         target[index] = self.values
 
 
@@ -114,22 +116,24 @@ class _StepReader(ChainReader):
                 n = min(cr, ids.numel() - j * cr)
                 values[j * cr : j * cr + n] = buf[: cr * row].view(dtype).view(cr, *part.shape[1:])[:n]
 
-            self._run([lambda j=j: self._staged(m, key, part, f"rows/{chunk_key(j, len(rec.shape))}", dtype,
-                                                cr * row, lambda b, j=j: rows(j, b))
-                       for j in range(-(-ids.numel() // cr))])
+            self._run([partial(self._staged, m, key, part, f"rows/{chunk_key(j, len(rec.shape))}", dtype,
+                               cr * row, partial(rows, j)) for j in range(-(-ids.numel() // cr))])
             return TensorDelta(key, ids, values, tuple(part.offset[1:]))
         # "chunks": changed dense chunks of a 0-d or 1-d tensor, as element ids and values.
         (ce,) = part.chunk_shape
         start = part.offset[0] if part.offset else 0
         total = part.box.numel
         pieces: dict[int, torch.Tensor] = {}
+
+        def keep(k: int, n: int, buf: torch.Tensor) -> None:
+            pieces[k] = buf[: ce * size].view(dtype)[:n].clone()
+
         for name in part.chunks:
             k = int(name[2:]) if name[:2] == "c." and name[2:].isdigit() else -1
             if not 0 <= k * ce < max(total, 1):
                 raise IntegrityError(m.step, f"{key}/{name}", "chunk index out of range")
             n = min(ce, total - k * ce)
-            self._staged(m, key, part, name, dtype, ce * size,
-                         lambda b, k=k, n=n: pieces.__setitem__(k, b[: ce * size].view(dtype)[:n].clone()))
+            self._staged(m, key, part, name, dtype, ce * size, partial(keep, k, n))
         order = sorted(pieces)
         ids = torch.cat([torch.arange(start + k * ce, start + k * ce + pieces[k].numel()) for k in order]) \
             if order else torch.empty(0, dtype=torch.int64)

@@ -9,6 +9,7 @@ few rows of a large table costs a few chunks per record of the chain, not the ta
 from __future__ import annotations
 
 import fnmatch
+from functools import partial
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -145,5 +146,5 @@ class RowReader(ChainReader):
                 rows = buf[: size * row_bytes].view(dest.dtype).view(size, *rest)
                 dest[(dst, *cols)] = rows[src]
 
-            jobs.append(lambda n=name, c=copy: self._staged(m, key, part, n, dest.dtype, size * row_bytes, c))
+            jobs.append(partial(self._staged, m, key, part, name, dest.dtype, size * row_bytes, copy))
         return jobs

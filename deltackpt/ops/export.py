@@ -197,7 +197,7 @@ def _remove(path: str) -> None:
 
 def _raw(block: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor."""
-    return memoryview(block.reshape(-1).view(torch.uint8).numpy()) if block.numel() else memoryview(b"")
+    return memoryview(block.reshape(-1).view(torch.uint8).numpy().data) if block.numel() else memoryview(b"")
 
 
 def named_tree(tree: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:

@@ -92,7 +92,7 @@ def _read_safetensors(src: str) -> dict[str, Any]:
         return tensors
     try:
         node = json.loads(tree)
-        _check_tree(node, tensors, "deltackpt.tree", 0)
+        _check_tree(node, dict.fromkeys(tensors), "deltackpt.tree", 0)  # type: ignore[arg-type]
         (kind, _), = node.items()
         if kind != "dict":
             raise ValueError("the state is not a dict")
