@@ -166,6 +166,9 @@ def read_dcp(folder: str) -> dict[str, Any]:
         if isinstance(item, md.BytesStorageMetadata):
             flat[fqn] = torch.load(io.BytesIO(_item(folder, meta, md.MetadataIndex(fqn))), weights_only=True)
             continue
+        if not isinstance(item, md.TensorStorageMetadata) or not isinstance(item.properties.dtype, torch.dtype):
+            raise ConvertError(f"{folder}: item {fqn} is neither bytes nor a tensor")
+        _check_room(folder, fqn, item, meta)
         t = torch.empty(tuple(item.size), dtype=item.properties.dtype)
         covered = 0
         for c in item.chunks:
@@ -179,6 +182,21 @@ def read_dcp(folder: str) -> dict[str, Any]:
             raise ConvertError(f"{folder}: the chunks of {fqn} cover {covered} of {t.numel()} elements")
         flat[fqn] = t
     return _nest(flat, meta.planner_data)
+
+
+def _check_room(folder: str, fqn: str, item: Any, meta: Any) -> None:
+    """Refuses a tensor whose recorded size its items' bytes on disk cannot hold, before any
+    allocation of that size."""
+    md, _ = _dcp()
+    nbytes = torch.Size(item.size).numel() * torch.empty((), dtype=item.properties.dtype).element_size()
+    room = 0
+    for c in item.chunks:
+        info = meta.storage_data.get(md.MetadataIndex(fqn, c.offsets))
+        if info is not None:
+            path = os.path.join(folder, os.path.basename(str(info.relative_path)))
+            room += min(int(info.length), os.path.getsize(path) if os.path.exists(path) else 0)
+    if nbytes > room:
+        raise ConvertError(f"{folder}: tensor {fqn} of {list(item.size)} needs {nbytes} B; its items hold {room} B")
 
 
 def _item(folder: str, meta: Any, index: Any) -> bytes:

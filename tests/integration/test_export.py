@@ -183,3 +183,31 @@ def test_exported_dcp_loads_into_a_two_rank_sharded_template(tmp_path, world_siz
     torch.save(saved[3], tmp_path / "want.pt")
     assert check_ok(run_ranks(dcp_two_rank_job, 2, str(tmp_path), str(tmp_path / "dcp"),
                               str(tmp_path / "want.pt"))) == [0, 1]
+
+
+def test_import_refuses_dcp_metadata_that_runs_code_or_claims_too_much(tmp_path):
+    import pickle
+
+    from deltackpt.ops.dcp import read_dcp
+
+    build_chain(tmp_path / "s")
+    deltackpt.export(tmp_path / "s", 1, "dcp", tmp_path / "dcp")
+    meta_path = tmp_path / "dcp" / ".metadata"
+    meta = pickle.loads(meta_path.read_bytes())
+    real = meta_path.read_bytes()
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned > " + str(tmp_path / "pwned"),))
+
+    meta_path.write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(ConvertError, match="does not load"):
+        read_dcp(str(tmp_path / "dcp"))
+    assert not (tmp_path / "pwned").exists()
+    md = meta.state_dict_metadata["model.0.weight"]
+    md.size = torch.Size([1 << 40, 6])
+    meta_path.write_bytes(pickle.dumps(meta))
+    with pytest.raises(ConvertError, match="needs"):
+        read_dcp(str(tmp_path / "dcp"))
+    meta_path.write_bytes(real)
+    assert read_dcp(str(tmp_path / "dcp"))["step"] == 1
