@@ -26,18 +26,16 @@ import shutil
 import struct
 import time
 import uuid
-import zipfile
-import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .. import statetree
 from ..format import dtypes
 from ..errors import ConvertError, OutputExistsError
-from ..storage import Storage
+from ..storage import LocalStorage, Storage
+from ..storage.local import BLOCK
 from .snapshot import MiB, Selection, Snapshot
 
 FORMATS = ("dcp", "safetensors", "torch")
@@ -88,8 +86,8 @@ class _Source:
     def nbytes(self, key: str) -> int:
         return torch.Size(self.snap.shape(key)).numel() * torch.empty((), dtype=self.dtype(key)).element_size()
 
-    def blocks(self, key: str, start: int = 0, stop: int | None = None):
-        for block in self.snap.blocks(key, start, stop):
+    def blocks(self, key: str, start: int = 0, stop: int | None = None, *, reuse: bool = False):
+        for block in self.snap.blocks(key, start, stop, reuse=reuse):
             block = block.to(self.dtype(key))
             yield block
             self.written += block.nbytes
@@ -156,7 +154,9 @@ def export(path: str | os.PathLike[str] | Storage, step: int | None, to: str,
             if to == "safetensors":
                 _write_safetensors(src, tmp, shard_bytes)
             elif to == "torch":
-                _write_torch(src, tmp)
+                from .torch_file import write_torch
+
+                write_torch(src, tmp)
             else:
                 from .dcp import write_dcp
 
@@ -179,13 +179,15 @@ def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 
 def _replace(tmp: str, out: str) -> None:
-    if os.path.isdir(out) and not os.path.islink(out):
-        old = f"{tmp}.old"
-        os.replace(out, old)
+    """Moves ``tmp`` to ``out``; an existing ``out`` (file or folder) is moved aside first and
+    removed once ``tmp`` is in place."""
+    if not os.path.lexists(out):
         os.replace(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out)
+        return
+    old = f"{tmp}.old"
+    os.replace(out, old)
+    os.replace(tmp, out)
+    _remove(old)
 
 
 def _remove(path: str) -> None:
@@ -234,9 +236,11 @@ def _write_safetensors(src: _Source, folder: str, shard_bytes: int) -> None:
     files = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
     weight_map = {}
+    storage = LocalStorage(folder)
     for name, group in zip(files, groups):
-        _write_safetensors_file(src, os.path.join(folder, name), group, meta)
+        storage.write(name, _safetensors_parts(src, group, meta))
         weight_map.update({src.sel.names[k]: name for k in group})
+    storage.sync(files)
     if len(files) > 1:
         index = {"metadata": {**meta, "total_size": sum(src.nbytes(k) for k in src.sel.names)},
                  "weight_map": weight_map}
@@ -244,7 +248,11 @@ def _write_safetensors(src: _Source, folder: str, shard_bytes: int) -> None:
             json.dump(index, f, indent=2)
 
 
-def _write_safetensors_file(src: _Source, path: str, keys: list[str], meta: dict[str, str]) -> None:
+def _safetensors_parts(src: _Source, keys: list[str], meta: dict[str, str]) -> Iterator[memoryview]:
+    """The bytes of one safetensors file, in pieces. The header is padded (with spaces, as the
+    format allows) to a 4 KiB boundary and tensors of whole 4 KiB blocks come first, so their
+    blocks (aligned in memory) go to the disk past the page cache (see ``LocalStorage.write``)."""
+    keys = sorted(keys, key=lambda k: src.nbytes(k) % BLOCK != 0)
     header: dict[str, Any] = {"__metadata__": meta}
     at = 0
     for key in keys:
@@ -253,82 +261,8 @@ def _write_safetensors_file(src: _Source, path: str, keys: list[str], meta: dict
                                       "shape": list(src.snap.shape(key)), "data_offsets": [at, at + n]}
         at += n
     doc = json.dumps(header, separators=(",", ":")).encode()
-    doc += b" " * (-len(doc) % 8)
-    with open(path, "xb") as f:
-        f.write(struct.pack("<Q", len(doc)))
-        f.write(doc)
-        for key in keys:
-            for block in src.blocks(key):
-                f.write(_raw(block))
-        f.flush()
-        os.fsync(f.fileno())
-
-
-# -- torch.save ----------------------------------------------------------------------------------
-
-
-def _write_torch(src: _Source, path: str) -> None:
-    """A torch.save file written in two passes: torch.save of the state with empty tensors under
-    ``skip_data`` lays out the zip with room for every storage; then each tensor's bytes are
-    streamed into its record and the zip's CRC-32 fields are set to match."""
-    # Never touched (skip_data writes no storage bytes), so these take address space, not memory.
-    fakes = {k: torch.empty(src.snap.shape(k), dtype=src.dtype(k)) for k in src.sel.names}
-    if src.sel.tree is None:
-        obj: Any = {src.sel.names[k]: fakes[k] for k in src.sel.names}
-    else:
-        obj = statetree.build(src.sel.tree, fakes)
-    # torch.save names storages "0", "1", ... as pickling meets them: depth first, in order.
-    order = [k for k in _pickle_order(obj, {id(v): k for k, v in fakes.items()})]
-    with torch.serialization.skip_data():
-        torch.save(obj, path)
-    with zipfile.ZipFile(path) as z:
-        records = {i.filename.split("/", 1)[1]: i for i in z.infolist() if "/" in i.filename}
-        central = z.start_dir
-    crcs: dict[str, int] = {}
-    with open(path, "r+b") as f:
-        for i, key in enumerate(order):
-            info = records.get(f"data/{i}")
-            if info is None or info.file_size != src.nbytes(key):
-                raise ConvertError(f"{key}: torch.save laid out storage {i} unlike the state "
-                                   f"({None if info is None else info.file_size} B)")
-            f.seek(info.header_offset + 26)
-            name_len, extra_len = struct.unpack("<HH", f.read(4))
-            f.seek(info.header_offset + 30 + name_len + extra_len)
-            crc = 0
-            for block in src.blocks(key):
-                data = _raw(block)
-                f.write(data)
-                crc = zlib.crc32(data, crc)
-            crcs[info.filename] = crc
-            f.seek(info.header_offset + 14)
-            f.write(struct.pack("<I", crc))
-        _patch_central_crcs(f, central, crcs)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _pickle_order(obj: Any, ids: dict[int, str]) -> list[str]:
-    if id(obj) in ids:
-        return [ids[id(obj)]]
-    if isinstance(obj, dict):
-        return [k for v in obj.values() for k in _pickle_order(v, ids)]
-    if isinstance(obj, (list, tuple)):
-        return [k for v in obj for k in _pickle_order(v, ids)]
-    return []
-
-
-def _patch_central_crcs(f: Any, at: int, crcs: dict[str, int]) -> None:
-    """Sets the CRC-32 of the central directory entries named in ``crcs``."""
-    left = len(crcs)
-    while left:
-        f.seek(at)
-        head = f.read(46)
-        if head[:4] != b"PK\x01\x02":
-            raise ConvertError("torch.save wrote a zip this export cannot patch")
-        name_len, extra_len, comment_len = struct.unpack("<HHH", head[28:34])
-        name = f.read(name_len).decode()
-        if name in crcs:
-            f.seek(at + 16)
-            f.write(struct.pack("<I", crcs[name]))
-            left -= 1
-        at += 46 + name_len + extra_len + comment_len
+    doc += b" " * (-(8 + len(doc)) % BLOCK)
+    yield memoryview(struct.pack("<Q", len(doc)) + doc)
+    for key in keys:
+        for block in src.blocks(key, reuse=True):
+            yield _raw(block)

@@ -25,6 +25,7 @@ from ..sharding import Box
 from ..io.staging import StagingPool
 from ..storage import Storage
 from ..storage import open_storage
+from ..storage.local import BLOCK
 from ..store import Store
 
 MiB = 1 << 20
@@ -111,6 +112,9 @@ class Snapshot:
         chunk = min(32 * MiB, memory_budget // 8)
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="deltackpt-export")
         self._ahead = ThreadPoolExecutor(1, thread_name_prefix="deltackpt-export-ahead")
+        # Two long-lived, 4 KiB-aligned block buffers, used in turn: fresh memory is slow to touch
+        # on many VMs, and aligned blocks can be written past the page cache.
+        self._buffers: list[torch.Tensor] = []
         self._reader = ChainReader(self.store.storage, self.chain,
                                    StagingPool(max(2, (memory_budget - self.block_bytes) // chunk), chunk),
                                    self._executor)
@@ -152,17 +156,32 @@ class Snapshot:
         row = max(1, torch.Size(shape[1:]).numel() * torch.empty((), dtype=self.dtype(key)).element_size())
         return max(1, self.block_bytes // row)
 
-    def read(self, key: str, box: Box | None = None) -> torch.Tensor:
-        """The box ``box`` (default: all) of ``key``'s value, read from the chain."""
+    def read(self, key: str, box: Box | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The box ``box`` (default: all) of ``key``'s value, read from the chain (into the
+        uint8 buffer ``into`` if given, which must hold it)."""
         shape = self.shape(key)
         box = box or Box((0,) * len(shape), shape)
-        out = torch.empty(box.shape, dtype=self.dtype(key))
+        dtype = self.dtype(key)
+        if into is None:
+            out = torch.empty(box.shape, dtype=dtype)
+        else:
+            nbytes = torch.Size(box.shape).numel() * torch.empty((), dtype=dtype).element_size()
+            out = into[:nbytes].view(dtype).view(box.shape)
         self._reader.read(key, out, box)
         return out
 
-    def blocks(self, key: str, start: int = 0, stop: int | None = None) -> Iterator[torch.Tensor]:
+    def _buffer(self, i: int) -> torch.Tensor:
+        while len(self._buffers) <= i:
+            raw = torch.empty(self.block_bytes + BLOCK, dtype=torch.uint8)
+            start = -raw.data_ptr() % BLOCK
+            self._buffers.append(raw[start : start + self.block_bytes])
+        return self._buffers[i]
+
+    def blocks(self, key: str, start: int = 0, stop: int | None = None, *,
+               reuse: bool = False) -> Iterator[torch.Tensor]:
         """Rows ``[start, stop)`` of ``key`` (all of a 0-d tensor) in blocks of at most
-        :meth:`rows_per_block` rows; a caller must not hold on to a block past the next one."""
+        :meth:`rows_per_block` rows. With ``reuse``, blocks are views of two long-lived aligned
+        buffers, so a caller must be done with a block when it asks for the next one."""
         shape = self.shape(key)
         if not shape:
             yield self.read(key)
@@ -171,12 +190,14 @@ class Snapshot:
         step = self.rows_per_block(key)
         boxes = [Box((r, *[0] * (len(shape) - 1)), (min(step, stop - r), *shape[1:]))
                  for r in range(start, stop, step)] or [Box((start, *[0] * (len(shape) - 1)), (0, *shape[1:]))]
-        # The next block is read while the caller writes this one.
-        pending = self._ahead.submit(self.read, key, boxes[0])
-        for nxt in [*boxes[1:], None]:
+        # The next block is read (into the other buffer) while the caller writes this one.
+        fits = reuse and boxes[0].numel * self.dtype(key).itemsize <= self.block_bytes
+        buffers = [self._buffer(0), self._buffer(1)] if fits else [None, None]
+        pending = self._ahead.submit(self.read, key, boxes[0], buffers[0])
+        for i, nxt in enumerate([*boxes[1:], None]):
             block = pending.result()
             if nxt is not None:
-                pending = self._ahead.submit(self.read, key, nxt)
+                pending = self._ahead.submit(self.read, key, nxt, buffers[(i + 1) % 2])
             yield block
 
     def close(self) -> None:
