@@ -145,6 +145,15 @@ def deltas(store: Store, pool: StagingPool, executor: Executor, since: int | Non
     """The stream of every committed step after ``since`` (None: from the first step), in order;
     steps committed while it runs are included.
 
+    Example:
+        >>> import tempfile, torch
+        >>> from deltackpt import Checkpointer
+        >>> with Checkpointer(tempfile.mkdtemp()) as ckpt:
+        ...     t = torch.zeros(10, 2)
+        ...     _ = ckpt.save(1, {"t": t}); t[3] = 1; _ = ckpt.save(2, {"t": t})
+        ...     [(d.step, d.kind, d.changes[0].ids.tolist()) for d in ckpt.deltas(since=1)]
+        [(2, 'delta', [3])]
+
     Raises:
         StreamGapError: the steps after the consumer's were garbage-collected.
         BrokenChainError, IntegrityError: the store is damaged.
@@ -167,7 +176,8 @@ def deltas(store: Store, pool: StagingPool, executor: Executor, since: int | Non
         try:
             if (m.kind == "delta" and m.parent == prev
                     and (prev_attempt is None or m.parent_attempt == prev_attempt)):
-                yield StepDelta(step, "delta", prev, m.tree, _StepReader(store.storage, [m], pool, executor).changes(m))
+                changes = _StepReader(store.storage, [m], pool, executor).changes(m)
+                yield StepDelta(step, "delta", prev, m.tree, changes)
             else:
                 yield StepDelta(step, "full", None, m.tree, _whole(store, step, pool, executor))
         except MissingChunkError:

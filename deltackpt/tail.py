@@ -29,7 +29,7 @@ def write_step_json(delta: StepDelta, out: IO[str]) -> None:
     """Writes one step of the stream as a JSON line to ``out``."""
     changes = []
     for c in delta.changes:
-        raw = c.values.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if c.values.numel() else b""
+        raw = c.values.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         changes.append({"key": c.key, "ids": None if c.ids is None else c.ids.tolist(),
                         "columns": list(c.columns), "dtype": dtypes.name(c.values.dtype),
                         "shape": list(c.values.shape), "data": base64.b64encode(raw).decode()})

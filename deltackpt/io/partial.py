@@ -42,7 +42,8 @@ def select_keys(keys: Iterable[str], patterns: Sequence[str]) -> list[str]:
     for p in patterns:
         if not isinstance(p, str) or not p:
             raise StateError(f"a key pattern must be a non-empty str, got {p!r}")
-        hits[p] = [k for k in keys if k == p or k.startswith(p.rstrip("/") + "/") or fnmatch.fnmatchcase(k, p)]
+        under = p.rstrip("/") + "/"
+        hits[p] = [k for k in keys if k == p or k.startswith(under) or fnmatch.fnmatchcase(k, p)]
     unmatched = [p for p, found in hits.items() if not found]
     if unmatched:
         raise KeyMismatchError([], unmatched)
@@ -50,7 +51,8 @@ def select_keys(keys: Iterable[str], patterns: Sequence[str]) -> list[str]:
     return [k for k in keys if k in chosen]
 
 
-def row_ids(rows: torch.Tensor | Sequence[int] | np.ndarray, shape: tuple[int, ...], key: str) -> torch.Tensor:
+def row_ids(rows: torch.Tensor | Sequence[int] | np.ndarray, shape: tuple[int, ...],
+            key: str) -> torch.Tensor:
     """``rows`` as an int64 CPU tensor, checked to be rows of a tensor of ``shape``.
 
     Raises:

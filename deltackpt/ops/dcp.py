@@ -166,7 +166,8 @@ def read_dcp(folder: str) -> dict[str, Any]:
         if isinstance(item, md.BytesStorageMetadata):
             flat[fqn] = torch.load(io.BytesIO(_item(folder, meta, md.MetadataIndex(fqn))), weights_only=True)
             continue
-        if not isinstance(item, md.TensorStorageMetadata) or not isinstance(item.properties.dtype, torch.dtype):
+        if not (isinstance(item, md.TensorStorageMetadata)
+                and isinstance(item.properties.dtype, torch.dtype)):
             raise ConvertError(f"{folder}: item {fqn} is neither bytes nor a tensor")
         _check_room(folder, fqn, item, meta)
         t = torch.empty(tuple(item.size), dtype=item.properties.dtype)
@@ -175,7 +176,8 @@ def read_dcp(folder: str) -> dict[str, Any]:
             part = torch.load(io.BytesIO(_item(folder, meta, md.MetadataIndex(fqn, c.offsets))),
                               weights_only=True)
             if not isinstance(part, torch.Tensor) or tuple(part.shape) != tuple(c.sizes):
-                raise ConvertError(f"{folder}: item {fqn} at {list(c.offsets)} is not a tensor of {list(c.sizes)}")
+                raise ConvertError(f"{folder}: item {fqn} at {list(c.offsets)} is not a tensor "
+                                   f"of {list(c.sizes)}")
             t[tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))] = part
             covered += part.numel()
         if covered != t.numel():
@@ -196,7 +198,8 @@ def _check_room(folder: str, fqn: str, item: Any, meta: Any) -> None:
             path = os.path.join(folder, os.path.basename(str(info.relative_path)))
             room += min(int(info.length), os.path.getsize(path) if os.path.exists(path) else 0)
     if nbytes > room:
-        raise ConvertError(f"{folder}: tensor {fqn} of {list(item.size)} needs {nbytes} B; its items hold {room} B")
+        raise ConvertError(f"{folder}: tensor {fqn} of {list(item.size)} needs {nbytes} B; "
+                           f"its items hold {room} B")
 
 
 def _item(folder: str, meta: Any, index: Any) -> bytes:

@@ -84,7 +84,7 @@ class _Source:
         return self._dtype if self._dtype is not None and saved.is_floating_point else saved
 
     def nbytes(self, key: str) -> int:
-        return torch.Size(self.snap.shape(key)).numel() * torch.empty((), dtype=self.dtype(key)).element_size()
+        return torch.Size(self.snap.shape(key)).numel() * self.dtype(key).itemsize
 
     def blocks(self, key: str, start: int = 0, stop: int | None = None, *, reuse: bool = False):
         for block in self.snap.blocks(key, start, stop, reuse=reuse):

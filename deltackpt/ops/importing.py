@@ -65,7 +65,8 @@ def read_checkpoint(src: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         state = torch.load(src, weights_only=True, mmap=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - any failure of an untrusted file is one error
-        raise ConvertError(f"{src}: not a torch.save file torch.load(weights_only=True) reads ({e})".splitlines()[0]) from None
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConvertError(f"{src}: not a torch.save file torch.load(weights_only=True) reads ({why})") from None
     if not isinstance(state, Mapping):
         raise ConvertError(f"{src}: holds a {type(state).__name__}, not a state dict")
     return dict(state)

@@ -189,7 +189,8 @@ class Snapshot:
         stop = shape[0] if stop is None else stop
         step = self.rows_per_block(key)
         boxes = [Box((r, *[0] * (len(shape) - 1)), (min(step, stop - r), *shape[1:]))
-                 for r in range(start, stop, step)] or [Box((start, *[0] * (len(shape) - 1)), (0, *shape[1:]))]
+                 for r in range(start, stop, step)]
+        boxes = boxes or [Box((start, *[0] * (len(shape) - 1)), (0, *shape[1:]))]
         # The next block is read (into the other buffer) while the caller writes this one.
         fits = reuse and boxes[0].numel * self.dtype(key).itemsize <= self.block_bytes
         buffers = [self._buffer(0), self._buffer(1)] if fits else [None, None]

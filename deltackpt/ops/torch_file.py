@@ -60,7 +60,7 @@ def write_torch(src: Any, path: str) -> None:
             at = info.header_offset + 30 + name_len + extra_len
             crc = 0
             for block in src.blocks(key, reuse=True):
-                data = memoryview(block.reshape(-1).view(torch.uint8).numpy().data) if block.numel() else memoryview(b"")
+                data = memoryview(block.reshape(-1).view(torch.uint8).numpy().data)
                 direct.pwrite(f.fileno(), data, at)
                 at += len(data)
                 crc = zlib.crc32(data, crc)

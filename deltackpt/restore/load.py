@@ -11,7 +11,8 @@ import torch
 from .. import statetree
 from ..format import dtypes
 from ..format.manifest import Manifest
-from ..io.partial import select_keys
+from ..errors import KeyMismatchError, StateError
+from ..io.partial import RowReader, row_ids, select_keys
 from ..io.reader import ChainReader
 from ..io.staging import StagingPool
 from ..sharding import Box, Shard, row_block
@@ -19,9 +20,20 @@ from ..storage import Storage
 
 
 def read_step(storage: Storage, chain: list[Manifest], pool: StagingPool, executor: Executor, *,
-              row_shard: tuple[int, int] | None = None, keys: Sequence[str] | None = None) -> dict[str, Any]:
-    """The state of the last step of ``chain``, every tensor on the CPU; with ``keys`` only the
-    tensors they select, as a flat dict by key (see :meth:`deltackpt.Checkpointer.load`)."""
+              row_shard: tuple[int, int] | None = None, keys: Sequence[str] | None = None,
+              key: str | None = None, rows: torch.Tensor | Sequence[int] | None = None) -> Any:
+    """The state of the last step of ``chain``, every tensor on the CPU (see
+    :meth:`deltackpt.Checkpointer.load`).
+
+    Args:
+        keys: flat keys, key prefixes or globs (``"model/*.weight"``) of the only tensors to
+            read; the result is then a flat dict by key instead of the nested state.
+        key: with ``rows``, the one tensor to read rows of.
+        rows: row ids (any order, repeats allowed); the result is then a tensor of
+            ``len(rows)`` rows, read from the chunks that hold them alone.
+    """
+    if key is not None or rows is not None:
+        return read_rows(storage, chain, pool, executor, key, rows)
     m = chain[-1]
     chosen = set(select_keys(m.tensors, keys)) if keys is not None else set(m.tensors)
     reader = ChainReader(storage, chain, pool, executor)
@@ -37,3 +49,20 @@ def read_step(storage: Storage, chain: list[Manifest], pool: StagingPool, execut
         out[key] = t if row_shard is None or not rec.shape else Shard(
             t, global_shape=rec.shape, global_offset=box.offset)
     return out if keys is not None else statetree.build(m.tree, out)
+
+
+def read_rows(storage: Storage, chain: list[Manifest], pool: StagingPool, executor: Executor,
+              key: str | None, rows: torch.Tensor | Sequence[int] | None) -> torch.Tensor:
+    """Rows ``rows`` of the tensor ``key`` at the last step of ``chain`` (see
+    :meth:`deltackpt.Checkpointer.load`).
+
+    Raises:
+        StateError: only one of ``key`` and ``rows`` given, or a bad row.
+        KeyMismatchError: no tensor ``key``.
+    """
+    if key is None or rows is None:
+        raise StateError("rows= and key= go together: the rows of one tensor")
+    rec = chain[-1].tensors.get(key)
+    if rec is None:
+        raise KeyMismatchError([], [key])
+    return RowReader(storage, chain, pool, executor).read_rows(key, row_ids(rows, rec.shape, key))
