@@ -26,6 +26,9 @@ def read_step(storage: Storage, chain: list[Manifest], pool: StagingPool, execut
     :meth:`deltackpt.Checkpointer.load`).
 
     Args:
+        row_shard: ``(rank, world_size)`` to read only that rank's rows of a row-wise sharding
+            (blocks of ``ceil(rows / world_size)`` rows, as ``torch.chunk`` splits); tensors
+            with dimensions then come back as :class:`Shard` s, 0-d ones whole.
         keys: flat keys, key prefixes or globs (``"model/*.weight"``) of the only tensors to
             read; the result is then a flat dict by key instead of the nested state.
         key: with ``rows``, the one tensor to read rows of.
