@@ -25,6 +25,7 @@ from .errors import IntegrityError, MissingChunkError, StepNotFoundError, Stream
 from .format import dtypes
 from .format.layout import chunk_key
 from .format.manifest import Manifest, PartRecord, TensorRecord
+from .io.partial import quantized_rows
 from .io.reader import ChainReader
 from .io.staging import StagingPool
 from .store import Store
@@ -106,18 +107,26 @@ class _StepReader(ChainReader):
     def _part(self, m: Manifest, key: str, rec: TensorRecord, part: PartRecord) -> TensorDelta:
         dtype = dtypes.from_name(rec.dtype)
         size = torch.empty((), dtype=dtype).element_size()
-        if rec.encoding == "rows":
+        if rec.encoding in ("rows", "qrows"):
             ids = self._read_ids(m, key, part)
             cr = part.chunk_shape[0]
             row = torch.Size(part.shape[1:]).numel() * size
             values = torch.empty((ids.numel(), *part.shape[1:]), dtype=dtype)
+            decode = quantized_rows(m, key, rec, part, dtype) if rec.encoding == "qrows" else None
 
             def rows(j: int, buf: torch.Tensor) -> None:
                 n = min(cr, ids.numel() - j * cr)
-                values[j * cr : j * cr + n] = buf[: cr * row].view(dtype).view(cr, *part.shape[1:])[:n]
+                if decode is not None:  # a lossy delta: the rows as a restore decodes them
+                    got = decode(buf, torch.arange(n)).view(n, *part.shape[1:])
+                else:
+                    got = buf[: cr * row].view(dtype).view(cr, *part.shape[1:])[:n]
+                values[j * cr : j * cr + n] = got
 
-            self._run([partial(self._staged, m, key, part, f"rows/{chunk_key(j, len(rec.shape))}", dtype,
-                               cr * row, partial(rows, j)) for j in range(-(-ids.numel() // cr))])
+            self._run([partial(self._staged, m, key, part, name, torch.uint8 if decode else dtype, nbytes,
+                               partial(rows, j), uncoded=decode is not None)
+                       for j in range(-(-ids.numel() // cr))
+                       for name, nbytes in [(f"qrows/{chunk_key(j, 2)}", cr * part.chunk_shape[-1]) if decode
+                                            else (f"rows/{chunk_key(j, len(rec.shape))}", cr * row)]])
             return TensorDelta(key, ids, values, tuple(part.offset[1:]))
         # "chunks": changed dense chunks of a 0-d or 1-d tensor, as element ids and values.
         (ce,) = part.chunk_shape

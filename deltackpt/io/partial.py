@@ -9,8 +9,8 @@ few rows of a large table costs a few chunks per record of the chain, not the ta
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -19,6 +19,8 @@ from ..errors import IntegrityError, KeyMismatchError, StateError
 from ..format import dtypes
 from ..format.layout import chunk_key
 from ..format.manifest import Manifest, PartRecord, TensorRecord
+from ..kernels import rowwise
+from ..quantization import Rowwise
 from .reader import ChainReader, Job
 
 
@@ -121,7 +123,8 @@ class RowReader(ChainReader):
         rest = part.shape[1:]
         row_bytes = int(np.prod(rest, dtype=np.int64)) * dest.element_size()
         dim = len(rec.shape)
-        if rec.encoding == "rows":
+        decode = None
+        if rec.encoding in ("rows", "qrows"):
             stored = self._ids.get((m.step, key, part.path))
             if stored is None:
                 stored = self._ids[(m.step, key, part.path)] = self._read_ids(m, key, part)
@@ -131,6 +134,8 @@ class RowReader(ChainReader):
             where = torch.nonzero(hit).flatten() + a  # positions in dest
             at = at[hit]  # positions in the delta's rows
             folder, size = "rows/", part.chunk_shape[0]
+            if rec.encoding == "qrows":
+                folder, dim, decode = "qrows/", 2, quantized_rows(m, key, rec, part, dest.dtype)
         else:  # "full" (rows by chunk) and "chunks" (a 1-d tensor's elements by chunk)
             where, at = torch.arange(a, b), local
             folder, size = "", part.chunk_shape[0]
@@ -145,8 +150,35 @@ class RowReader(ChainReader):
             sel = groups == g
 
             def copy(buf: torch.Tensor, src=at[sel] - g * size, dst=where[sel]) -> None:
+                if decode is not None:
+                    dest[(dst, *cols)] = decode(buf, src).view(len(src), *rest)
+                    return
                 rows = buf[: size * row_bytes].view(dest.dtype).view(size, *rest)
                 dest[(dst, *cols)] = rows[src]
 
-            jobs.append(partial(self._staged, m, key, part, name, dest.dtype, size * row_bytes, copy))
+            nbytes = size * (part.chunk_shape[1] if decode is not None else row_bytes)
+            jobs.append(partial(self._staged, m, key, part, name, torch.uint8 if decode else dest.dtype,
+                                nbytes, copy, uncoded=decode is not None))
         return jobs
+
+
+def quantized_rows(m: Manifest, key: str, rec: TensorRecord, part: PartRecord,
+                   dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """For a ``qrows`` part: a function decoding rows ``at`` (positions within one chunk) of a
+    chunk's bytes to ``dtype``, flat per row.
+
+    Raises:
+        IntegrityError: the part's row width does not fit its quantization scheme.
+    """
+    rule = Rowwise.from_scheme(rec.lossy.scheme if rec.lossy else None)
+    cr, qbytes = part.chunk_shape
+    width = int(np.prod(part.shape[1:], dtype=np.int64))
+    if qbytes != rowwise.row_bytes(width, rule.bits, rule.scale_dtype):
+        raise IntegrityError(m.step, f"{key} part {part.path!r}",
+                             f"quantized rows of {qbytes} B do not fit {width} elements at {rule.scheme}")
+
+    def decode(buf: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        packed = buf[: cr * qbytes].view(cr, qbytes)[at]
+        return rowwise.dequantize_rows(packed, rule.bits, width, dtype, scale_dtype=rule.scale_dtype)
+
+    return decode

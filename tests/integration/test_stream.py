@@ -112,3 +112,21 @@ def test_tail_prints_json_lines_and_safetensors(tmp_path, capsys):
         i = [c["key"] for c in changes].index("t")
         assert f.get_tensor(f"changes.{i}.ids").tolist() == [7, 9]
         assert same_bits(f.get_tensor(f"changes.{i}.values"), t[[7, 9]])
+
+
+def test_quantized_deltas_stream_and_partial_loads_as_load_decodes_them(tmp_path):
+    from deltackpt import Rowwise
+
+    torch.manual_seed(5)
+    table = torch.randn(400, 16)
+    live = Replica()
+    with Checkpointer(tmp_path / "s", policy=EveryK(100), quantize={"t": Rowwise(bits=4)},
+                      chunk_bytes=1 << 12, memory_budget=1 << 16) as ckpt:
+        for step in range(1, 5):
+            table[torch.randint(0, 400, (30,))] += 0.5
+            ckpt.save(step, {"t": table, "n": step})
+            live.follow(ckpt)
+        assert ckpt.store.manifest(4).tensors["t"].encoding == "qrows"
+        ids = torch.tensor([399, 3, 3, 250])
+        assert same_bits(ckpt.load(4, key="t", rows=ids), ckpt.load(4)["t"][ids])
+    assert live.kinds == ["full", "delta", "delta", "delta"]
