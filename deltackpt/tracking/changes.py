@@ -146,9 +146,7 @@ class ChangeTracker:
                                        ch.hashes if ch.hashes is not None else self.hash(t))
         self._refs = refs
         for table in self._scanned:
-            if table.mode is TableMode.STARTING:
-                table.mode = TableMode.ON
-            table.settle()
+            table.committed()
         self._scanned = []
 
     def reset(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -156,10 +154,7 @@ class ChangeTracker:
         self._refs = {k: _Reference(t.dtype, tuple(t.shape), self.hash(t)) for k, t in tensors.items()}
         self._scanned = []
         for group in self.rows.resolve(tensors):
-            if group.table.mode is not TableMode.HASHING:
-                t = tensors[group.keys[0]]
-                group.table.begin(group.rows, t.device)
-                group.table.mode = TableMode.ON
+            group.table.restored(group.rows, tensors[group.keys[0]].device)
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -175,8 +170,7 @@ class ChangeTracker:
     ) -> dict[str, TensorChange]:
         table = group.table
         members = {k: tensors[k] for k in group.keys}
-        if table.mode is TableMode.ON and table.mask is not None and table.mask.shape[0] != group.rows:
-            table.stop()  # resized since the marks started: they cannot stand for its changes
+        table.check_rows(group.rows)
         if table.mode is TableMode.ON:
             ids = table.take()
             missed = self._canary(group, members, ids)
@@ -186,12 +180,8 @@ class ChangeTracker:
                 "tracked table %r: %s changed in rows that no lookup marked (weight decay, a "
                 "dense optimizer update or a custom update?); detecting its changes by hashing "
                 "from now on", table.name, ", ".join(missed))
-            table.mode = TableMode.HASHING
-            table.stop()
-        if table.mode is not TableMode.HASHING:
-            # Marks from here on, with this scan's hashes, will cover the next save.
-            table.begin(group.rows, members[group.keys[0]].device)
-            table.mode = TableMode.STARTING
+            table.fall_back()
+        table.hashed(group.rows, members[group.keys[0]].device)
         return {k: self._scan_hashes(k, t) for k, t in members.items()}
 
     def _from_marks(self, key: str, t: torch.Tensor, ids: torch.Tensor) -> TensorChange:

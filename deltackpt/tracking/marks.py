@@ -142,6 +142,39 @@ class TrackedTable:
         """Forgets the pending rows: the save that took them committed."""
         self.pending = None
 
+    # -- mode transitions -----------------------------------------------------------------------
+
+    def check_rows(self, rows: int) -> None:
+        """Before a scan: a table resized since its marks started stops them (ON -> OFF)."""
+        if self.mode is TableMode.ON and self.mask is not None and self.mask.shape[0] != rows:
+            self.stop()
+
+    def fall_back(self) -> None:
+        """The canary found an unmarked change: hash the table from now on (-> HASHING)."""
+        self.mode = TableMode.HASHING
+        self.stop()
+
+    def hashed(self, rows: int, device: torch.device) -> None:
+        """A scan hashed the table: unless it stays HASHING, marks from here on, with this scan's
+        hashes, will cover the next save (-> STARTING)."""
+        if self.mode is not TableMode.HASHING:
+            self.begin(rows, device)
+            self.mode = TableMode.STARTING
+
+    def committed(self) -> None:
+        """The save that scanned the table committed: its pending rows are saved, and marks that
+        started with it now stand for the table's changes (STARTING -> ON)."""
+        if self.mode is TableMode.STARTING:
+            self.mode = TableMode.ON
+        self.settle()
+
+    def restored(self, rows: int, device: torch.device) -> None:
+        """The table was just restored: it matches its reference, so marks from now on stand for
+        its changes (-> ON), unless it is hashed for good."""
+        if self.mode is not TableMode.HASHING:
+            self.begin(rows, device)
+            self.mode = TableMode.ON
+
     def stop(self) -> None:
         """Stops recording; the next save hashes the table (``mode`` OFF, or stays HASHING)."""
         self.mask = None
