@@ -261,3 +261,18 @@ def test_demo_with_quantized_deltas(tmp_path, capsys):
     q = next(d for d in lines if d.get("event") == "quantized")
     assert q["scheme"] == "rowwise4a" and q["ok"] and q["lossy_tensors"] > 0
     assert 0 < q["worst_error"] <= q["bound"]
+
+
+def test_background_save_quantizes_what_was_staged(tmp_path):
+    path = str(tmp_path / "s")
+    emb0 = torch.randn(30, 8)
+    with Checkpointer(path, policy=NEVER_BASE, quantize={"emb": Rowwise(bits=8)}) as ckpt:
+        ckpt.save(0, {"emb": emb0})
+        live = bumped(emb0, [3, 17], 5)
+        saved = live.clone()
+        handle = ckpt.save(1, {"emb": live}, blocking=False)
+        live[3] += 100.0  # after staging: must not reach the step
+        assert handle.result().kind == "delta"
+        got = ckpt.load(1)["emb"]
+    bound = record(path, 1)["tensors"]["emb"]["lossy"]["chain_bound"]
+    assert float((got - saved).abs().max()) <= bound
