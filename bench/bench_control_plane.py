@@ -1,0 +1,363 @@
+"""The control plane of a save at scale, simulated in one process: W ranks x T tensors.
+
+Drives the package's own control-plane code for every simulated rank, without processes or I/O:
+``plan_local`` on every rank's state (meta tensors: shapes without data), the coordinator's
+``GlobalPlanner``, ``write_items``, ``summarize`` (scan summaries), ``decide``,
+``build_manifest`` and ``Manifest.to_json``, then ``Manifest.from_json`` as a restore or
+``load`` parses and validates the record. What the writers would have written is made up from
+the plan (chunk sizes exact, data chunk checksums stand-ins); the metadata files' entries are real.
+
+Two saves: a base with a new layout (every local plan sent, a new global plan), then a delta
+with the layout unchanged (digests only, the plan cached) where ``--changed`` of each part's
+rows or chunks changed. Message sizes are the pickles the collectives send (``(ok, value)``,
+see ``deltackpt/collectives.py``): an all-gather delivers every rank's message to every rank, a
+broadcast the coordinator's. ``write_items`` scans the whole plan on each rank, so it is timed
+on a few ranks (``--sample``); the parts of the others come from one pass over the plan.
+
+Run:  python bench/bench_control_plane.py --world 1024 --tensors 1000
+Writes bench/results/control_plane_W{world}_T{tensors}.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import pickle
+import resource
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from deltackpt import Shard
+from deltackpt.format import dtypes
+from deltackpt.format.encodings import Encoding, chunk_shape, dense_chunk_elems
+from deltackpt.format.layout import chunk_key, pack_name
+from deltackpt.format.manifest import ChunkMap, Manifest
+from deltackpt.format.zarr_meta import array_doc
+from deltackpt.policy import BasePolicy, ChainState, EveryK
+from deltackpt.save.commit import build_manifest
+from deltackpt.save.decide import decide
+from deltackpt.save.local import plan_local, write_items
+from deltackpt.save.planner import GlobalPlan, GlobalPlanner, PartPlan
+from deltackpt.save.scan import PartScan, summarize
+from deltackpt.save.types import Kind, LocalState, SavePlan, WriteItem, WriteResult
+from deltackpt.tracking.changes import TensorChange, is_row_sparse
+
+MiB = 1 << 20
+DEFAULT_SIZES = (32 * MiB, 1 * MiB)  # the Checkpointer's chunk_bytes, dense_chunk_bytes
+StateOf = Callable[[int, int], Mapping[str, Any]]  # (rank, step) -> state
+Changed = Callable[[str, PartPlan, torch.Tensor], int]
+
+
+# -- the simulated job --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    """A sharded job: ``tensors`` tensors over ``world`` ranks.
+
+    ``mix`` gives the share of tensors sharded row-wise (blocks of rows over every rank, as
+    ``torch.chunk`` splits: the last blocks shorter or empty), column-wise (column blocks over a
+    group of ``col_group`` ranks; the other ranks hold none of it) and table-wise (the whole
+    tensor on one rank). Every tenth row-wise tensor has fewer rows than ranks.
+    """
+
+    world: int
+    tensors: int
+    mix: tuple[float, float, float] = (0.8, 0.1, 0.1)
+    col_group: int = 8
+    dim: int = 64
+
+    def layout(self) -> list[tuple[str, str, tuple[int, ...], torch.dtype]]:
+        """Every tensor: name, scheme, global shape, dtype."""
+        row, col, _ = self.mix
+        out = []
+        for i in range(self.tensors):
+            at = (i + 0.5) / self.tensors
+            scheme = "row" if at < row else "col" if at < row + col else "table"
+            rows = self.world // 2 + i if scheme == "row" and i % 10 == 9 else 64 * self.world + 37 * i
+            if scheme != "row":
+                rows = 1000 + 37 * i
+            dtype = torch.bfloat16 if i % 4 == 3 else torch.float32
+            out.append((f"t{i:05d}", scheme, (rows, self.dim), dtype))
+        return out
+
+    def state(self, rank: int, step: int) -> dict[str, Any]:
+        """Rank ``rank``'s state, of meta tensors (the same at every step: the layout stays)."""
+        tensors: dict[str, Any] = {}
+        for i, (name, scheme, shape, dtype) in enumerate(self.layout()):
+            if scheme == "table":
+                if i % self.world == rank:
+                    tensors[name] = torch.empty(shape, dtype=dtype, device="meta")
+                continue
+            if scheme == "row":
+                dim, ranks, at = 0, self.world, rank
+            else:
+                group = min(self.col_group, self.world)
+                first = i * group % self.world
+                dim, ranks, at = 1, group, (rank - first) % self.world
+                if at >= group:
+                    continue
+            block = -(-shape[dim] // ranks)
+            lo, hi = min(shape[dim], at * block), min(shape[dim], (at + 1) * block)
+            local = list(shape)
+            local[dim] = hi - lo
+            offset = [0, 0]
+            offset[dim] = lo
+            tensors[name] = Shard(torch.empty(local, dtype=dtype, device="meta"),
+                                  global_shape=shape, global_offset=tuple(offset))
+        return {"tensors": tensors, "epoch": 0}
+
+
+def changed_share(share: float) -> Changed:
+    """Rows (row-sparse tensors) or chunks (dense ones) changed in a part: ``share`` of them."""
+
+    def changed(key: str, part: PartPlan, t: torch.Tensor, sizes: tuple[int, int] = DEFAULT_SIZES) -> int:
+        if is_row_sparse(t):
+            return math.ceil(share * part.box.shape[0])
+        n = -(-t.numel() // dense_chunk_elems(t.numel(), t.element_size(), sizes[1])) if t.numel() else 0
+        return math.ceil(share * n)
+
+    return changed
+
+
+# -- what the writers would have written --------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4096)
+def _doc_entry(shape: tuple[int, ...], chunks: tuple[int, ...], dtype: torch.dtype) -> tuple[int, str]:
+    doc = array_doc(shape, chunks, dtype)
+    return len(doc), xxhash.xxh3_64_hexdigest(doc)
+
+
+def _stand_in(*names: object) -> str:
+    """A data chunk's checksum stand-in (the simulation has no data)."""
+    return xxhash.xxh3_64_hexdigest(repr(names).encode())
+
+
+def written(save: SavePlan, rank: int, items: tuple[WriteItem, ...], sizes: tuple[int, int], *,
+            coordinator: bool) -> WriteResult:
+    """What ``rank``'s writers report for ``items`` (and the coordinator for the metadata)."""
+    files: dict[tuple[str, str], ChunkMap] = {}
+    pack_size = 0
+    for it in items:
+        t, box = it.tensor, it.part.box
+        n = save.changed[(it.key, it.part.path)]
+        enc = Encoding.of(save.kind, tuple(t.shape))
+        cs = chunk_shape(enc, box.shape, t.element_size(), n, *sizes)
+        row_bytes = math.prod(box.shape[1:]) * t.element_size()
+        chunks: ChunkMap = {}
+        if enc == Encoding.FULL:
+            rows, cr = (box.shape[0] if box.shape else 1), (cs[0] if cs else 1)
+            for i in range(-(-rows // cr) if t.numel() else 0):
+                chunks[chunk_key(i, t.dim())] = (cr * row_bytes, _stand_in(it.key, it.part.path, i))
+        else:
+            if enc == Encoding.ROWS:
+                names = [(f"ids/{chunk_key(i, 1)}", cs[0] * 8) for i in range(-(-n // cs[0]))]
+                names += [(f"rows/{chunk_key(i, t.dim())}", cs[0] * row_bytes) for i in range(-(-n // cs[0]))]
+            else:
+                names = [(chunk_key(i, 1), cs[0] * t.element_size()) for i in range(n)]
+            for name, size in names:
+                chunks[name] = (size, _stand_in(it.key, it.part.path, name), pack_size)
+                pack_size += size
+        files[(it.key, it.part.path)] = chunks
+    if coordinator and save.kind == Kind.BASE:
+        for tp in save.plan.tensors.values():
+            dtype = dtypes.from_name(tp.dtype)
+            for p in tp.parts:
+                cs = chunk_shape(Encoding.FULL, p.box.shape, dtype.itemsize,
+                                 save.changed[(tp.key, p.path)], *sizes)
+                files.setdefault((tp.key, p.path), {})["zarr.json"] = _doc_entry(p.box.shape, cs, dtype)
+    packs: dict[str, ChunkMap] = {}
+    if pack_size:
+        doc = array_doc((pack_size,), (pack_size,), torch.uint8, raw=True)
+        packs[pack_name(rank)] = {"c.0": (pack_size, _stand_in(rank)),
+                                  "zarr.json": (len(doc), xxhash.xxh3_64_hexdigest(doc))}
+    return WriteResult(files, packs)
+
+
+# -- the simulation -----------------------------------------------------------------------------
+
+
+@dataclass
+class Phase:
+    """One phase: seconds on the coordinator (or summed over ranks, with the slowest rank), and
+    the bytes one rank sends and receives."""
+
+    name: str
+    where: str
+    seconds: float = 0.0
+    max_rank_seconds: float = 0.0
+    sent_max: int = 0
+    received: int = 0
+    peak_rss_mib: float = 0.0
+
+
+@dataclass
+class Run:
+    """Every phase of both saves, the records, and the objects the tests compare."""
+
+    phases: list[Phase] = field(default_factory=list)
+    plans: list[GlobalPlan] = field(default_factory=list)
+    records: list[Manifest] = field(default_factory=list)
+    record_bytes: list[int] = field(default_factory=list)
+
+    def add(self, phase: Phase) -> Phase:
+        phase.peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        self.phases.append(phase)
+        return phase
+
+
+def _wire(value: Any) -> int:
+    return len(pickle.dumps((True, value)))
+
+
+def _gather(run: Run, name: str, per_rank: list[Any], seconds: list[float]) -> None:
+    sizes = [_wire(v) for v in per_rank]
+    run.add(Phase(name, "every rank", sum(seconds), max(seconds), max(sizes), sum(sizes)))
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def simulate(world: int, state_of: StateOf, *, changed: Changed, sizes: tuple[int, int] = DEFAULT_SIZES,
+             policy: BasePolicy | None = None, sample: int = 3) -> Run:
+    """A base with a new layout, then a delta with the same layout, on ``world`` simulated ranks
+    whose states ``state_of(rank, step)`` gives; ``changed`` says what changed in each part for the
+    delta. ``write_items`` is timed (and checked against the plan) on ``sample`` ranks."""
+    run, policy = Run(), policy or EveryK(100)
+    planner, head, chain = GlobalPlanner(world), None, ChainState(0, 0, 0)
+    digests: dict[int, str] = {}
+    for step in (1, 2):
+        # plan_local, on every rank: the local plan, or its digest alone when unchanged.
+        sent, seconds, locals_ = [], [], {}
+        for r in range(world):
+            local, s = _timed(lambda: plan_local(step, state_of(r, step), r, sizes))
+            sent.append((step, local.digest, None if digests.get(r) == local.digest else local.plan))
+            digests[r] = local.digest
+            locals_[r] = local
+            seconds.append(s)
+        _gather(run, f"{step}: plan_local", sent, seconds)
+        fresh, s = _timed(lambda: planner.update(sent, lambda _: None))
+        message = pickle.dumps((True, fresh))
+        _, unpickle = _timed(lambda: pickle.loads(message))
+        run.add(Phase(f"{step}: plan_global", "coordinator", s, unpickle, len(message), len(message)))
+        plan = planner.adopt(sent, fresh)
+        run.plans.append(plan)
+        items = _owned(run, plan, world, locals_, sample)
+        # scan, on every rank: a summary of each part it writes.
+        scans, seconds = [], []
+        for r in range(world):
+            out, s = _timed(lambda: _scan(items[r], changed if head is not None else None, sizes))
+            scans.append(out)
+            seconds.append(s)
+        _gather(run, f"{step}: scan", scans, seconds)
+        save, s = _timed(lambda: decide(policy, head, chain, plan, [x for per in scans for x in per],
+                                        step=step, attempt=f"{step}-sim"))
+        run.add(Phase(f"{step}: decide", "coordinator", s, 0.0, _wire(save), _wire(save)))
+        results, seconds = [], []
+        for r in range(world):
+            out, s = _timed(lambda: written(save, r, items[r], sizes, coordinator=r == 0))
+            results.append(out)
+            seconds.append(s)
+        _gather(run, f"{step}: write results", results, seconds)
+        record, s = _timed(lambda: build_manifest(
+            save, results, head=head, world_size=world,
+            policy={"name": policy.name, "decision": str(save.kind), "reason": save.reason}, sizes=sizes))
+        run.add(Phase(f"{step}: build_manifest", "coordinator", s))
+        data, s = _timed(record.to_json)
+        run.add(Phase(f"{step}: to_json", "coordinator", s, 0.0, len(data), len(data)))
+        del results, scans, items, locals_, sent
+        parsed, s = _timed(lambda: Manifest.from_json(data, f"commits/{step}"))
+        run.add(Phase(f"{step}: from_json (restore, load)", "every reader", s, 0.0, 0, len(data)))
+        run.records.append(parsed)
+        run.record_bytes.append(len(data))
+        head = record
+        chain = ChainState(0, 0, record.bytes_written) if save.kind == Kind.BASE else ChainState(
+            chain.deltas + 1, chain.delta_bytes + record.bytes_written, chain.base_bytes)
+    return run
+
+
+def _owned(run: Run, plan: GlobalPlan, world: int, locals_: dict[int, LocalState],
+           sample: int) -> list[tuple[WriteItem, ...]]:
+    """Every rank's write items, from one pass over the plan; ``write_items`` itself timed on
+    ``sample`` ranks spread over the world, and checked to agree."""
+    by_rank: list[list[WriteItem]] = [[] for _ in range(world)]
+    for t in plan.tensors.values():
+        for p in t.parts:
+            by_rank[p.writer].append(WriteItem(t.key, p, locals_[p.writer].shards[t.key].local))
+    seconds = []
+    for r in sorted({r * (world - 1) // max(1, sample - 1) for r in range(sample)}):
+        items, s = _timed(lambda: write_items(plan, r, locals_[r]))
+        if [(i.key, i.part) for i in items] != [(i.key, i.part) for i in by_rank[r]]:
+            raise AssertionError(f"rank {r}: write_items disagrees with the plan")
+        seconds.append(s)
+    run.add(Phase(f"{len(run.records) + 1}: write_items ({len(seconds)} ranks)", "every rank",
+                  sum(seconds) / len(seconds), max(seconds)))
+    return [tuple(x) for x in by_rank]
+
+
+def _scan(items: tuple[WriteItem, ...], changed: Changed | None, sizes: tuple[int, int]) -> list[PartScan]:
+    out = []
+    for it in items:
+        ids = None if changed is None else torch.empty(changed(it.key, it.part, it.tensor), dtype=torch.int64,
+                                                       device="meta")
+        elems = dense_chunk_elems(it.tensor.numel(), it.tensor.element_size(), sizes[1])
+        out.append(summarize(it.key, it.part.path, it.tensor, TensorChange(ids, None), elems))
+    return out
+
+
+# -- the bench ----------------------------------------------------------------------------------
+
+
+def table(run: Run, job: Job) -> str:
+    lines = [f"W = {job.world} ranks x T = {job.tensors} tensors, mix {job.mix}; "
+             f"records {', '.join(f'{b / MiB:.1f} MiB' for b in run.record_bytes)}",
+             "", "| phase | where | s (coordinator / per rank mean) | s (slowest rank / unpickle) "
+             "| MB sent by a rank (max) | MB received per rank | peak RSS MiB |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for p in run.phases:
+        mean = p.seconds / job.world if p.where == "every rank" and "write_items" not in p.name else p.seconds
+        lines.append(f"| {p.name} | {p.where} | {mean:.4f} | {p.max_rank_seconds:.4f} | "
+                     f"{p.sent_max / 1e6:.3f} | {p.received / 1e6:.3f} | {p.peak_rss_mib:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--world", type=int, default=1024)
+    ap.add_argument("--tensors", type=int, default=1000)
+    ap.add_argument("--mix", default="0.8,0.1,0.1", help="shares row-, column-, table-wise")
+    ap.add_argument("--col-group", type=int, default=8, help="ranks a column-wise tensor spans")
+    ap.add_argument("--changed", type=float, default=0.01, help="share of rows/chunks a delta writes")
+    ap.add_argument("--sample", type=int, default=3, help="ranks write_items is timed on")
+    args = ap.parse_args()
+    row, col, tab = (float(x) for x in args.mix.split(","))
+    job = Job(args.world, args.tensors, (row, col, tab), args.col_group)
+    t0 = time.perf_counter()
+    run = simulate(job.world, job.state, changed=changed_share(args.changed), sample=args.sample)
+    parts = sum(len(t.parts) for t in run.plans[-1].tensors.values())
+    text = table(run, job)
+    print(text)
+    print(f"\n{parts} parts; simulation wall {time.perf_counter() - t0:.0f} s")
+    out = Path(__file__).parent / "results" / f"control_plane_W{job.world}_T{job.tensors}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({
+        "job": {"world": job.world, "tensors": job.tensors, "mix": job.mix, "col_group": job.col_group,
+                "changed": args.changed}, "parts": parts, "record_bytes": run.record_bytes,
+        "phases": [vars(p) for p in run.phases]}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""The control-plane simulation of ``bench/bench_control_plane.py`` against real saves.
+
+On 1-4 gloo ranks, with the row-, column- and table-wise shardings of the N -> M tests (uneven
+blocks, ranks holding nothing), a base then a delta are saved for real; the simulation, given the
+same states, must build the same global plans and the same commit records (data checksums, and in
+a delta the sizes and pack offsets of compressed chunks, aside: the simulation has no data).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from deltackpt.format.manifest import Manifest
+from deltackpt.policy import EveryK
+from dist_harness import check_ok, run_ranks
+
+ROOT = Path(__file__).resolve().parents[2]
+SIZES = (256, 32)  # chunk_bytes, dense_chunk_bytes: several chunks per part
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+sim = _load("bench_control_plane", ROOT / "bench" / "bench_control_plane.py")
+reshard = _load("reshard_layouts", ROOT / "tests" / "distributed" / "test_reshard.py")
+
+
+def state_of(scheme: str, world: int):
+    return lambda rank, step: reshard.make_state(reshard.reference(step), scheme, rank, world, step)
+
+
+def saves_job(rank: int, world: int, root: str) -> dict:
+    """Every scheme on 1..world ranks: a base and a delta; rank 0 returns the global plans its
+    checkpointer adopted and the committed records."""
+    import torch.distributed as dist
+
+    from deltackpt import Checkpointer
+    from deltackpt.save.planner import GlobalPlanner
+
+    adopted: list = []
+    adopt = GlobalPlanner.adopt
+
+    def spy(self, sent, fresh):
+        plan = adopt(self, sent, fresh)
+        adopted.append(plan)
+        return plan
+
+    GlobalPlanner.adopt = spy  # this child process's own class
+    groups = {n: dist.new_group(list(range(n)), backend="gloo") for n in range(1, world + 1)}
+    out = {}
+    for scheme in reshard.SCHEMES:
+        for n in range(1, world + 1):
+            if rank < n:
+                adopted.clear()
+                with Checkpointer(f"{root}/{scheme}-{n}", process_group=groups[n], base_every=100,
+                                  chunk_bytes=SIZES[0], dense_chunk_bytes=SIZES[1],
+                                  memory_budget=4096) as ckpt:
+                    for step in (1, 2):
+                        ckpt.save(step, state_of(scheme, n)(rank, step))
+                    if rank == 0:
+                        out[(scheme, n)] = (list(adopted),
+                                            [ckpt.store.manifest(s).to_json() for s in (1, 2)])
+            dist.barrier()
+    return out
+
+
+def comparable(m: Manifest) -> dict[str, Any]:
+    """A record as a document, without what only real data decides: the attempts and time; data
+    chunks' checksums; in a delta, which chunks changed (only how many), chunk sizes and pack
+    offsets (row ids are compressed) and the pack's file entries, which follow from them."""
+    doc = json.loads(m.to_json())
+    del doc["attempt"], doc["parent_attempt"], doc["created"]
+    for t in doc["tensors"].values():
+        for p in t["parts"]:
+            if m.kind == "delta":
+                p["chunks"] = len(p["chunks"])
+            else:
+                p["chunks"] = {k: v if k == "zarr.json" else v[0] for k, v in p["chunks"].items()}
+    if m.kind == "delta":
+        doc["packs"] = {k: sorted(files) for k, files in doc["packs"].items()}
+        del doc["bytes_written"]
+    return doc
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory) -> dict:
+    tmp = str(tmp_path_factory.mktemp("saves"))
+    return check_ok(run_ranks(saves_job, 4, tmp, tmp, deadline=300))[0]
+
+
+@pytest.mark.parametrize("scheme", reshard.SCHEMES)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_simulation_matches_real_save(real, scheme, world):
+    plans, records = real[(scheme, world)]
+    base, delta = (Manifest.from_json(r, f"commits/{s}") for s, r in zip((1, 2), records, strict=True))
+    assert (base.kind, delta.kind) == ("base", "delta")
+    by_part = {(k, p.path): p.changed for k, t in delta.tensors.items() for p in t.parts}
+    run = sim.simulate(world, state_of(scheme, world), sizes=SIZES, policy=EveryK(100), sample=world,
+                       changed=lambda key, part, t: by_part[(key, part.path)])
+    assert run.plans == plans
+    assert [comparable(m) for m in run.records] == [comparable(base), comparable(delta)]
+    assert run.records[1].parent_attempt == run.records[0].attempt
+
+
+def test_bench_job_shards_unevenly_and_leaves_ranks_empty():
+    job = sim.Job(world=6, tensors=20, col_group=4)
+    states = [job.state(r, 1)["tensors"] for r in range(job.world)]
+    run = sim.simulate(job.world, job.state, changed=sim.changed_share(0.1), sample=job.world)
+    plan = run.plans[-1]
+    assert set(plan.tensors) == {name for name, *_ in job.layout()}
+    schemes = {name: scheme for name, scheme, *_ in job.layout()}
+    assert set(schemes.values()) == {"row", "col", "table"}
+    for name, t in plan.tensors.items():
+        holders = [r for r in range(job.world) if name in states[r]]
+        want = {"row": job.world, "col": 4, "table": 1}[schemes[name]]
+        assert len(holders) == want, name
+        if schemes[name] == "row" and t.global_shape[0] < job.world:
+            assert len(t.parts) < job.world  # ranks with no rows write nothing
+    assert [m.kind for m in run.records] == ["base", "delta"]
+    # the layout stays: the second save sends digests only and reuses the plan
+    sent = [p for p in run.phases if p.name == "2: plan_local"][0]
+    assert sent.sent_max < 200
+    assert run.plans[0] is run.plans[1]
