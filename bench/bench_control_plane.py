@@ -26,6 +26,7 @@ import json
 import math
 import pickle
 import resource
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -82,7 +83,7 @@ class Job:
         for i in range(self.tensors):
             at = (i + 0.5) / self.tensors
             scheme = "row" if at < row else "col" if at < row + col else "table"
-            rows = self.world // 2 + i if scheme == "row" and i % 10 == 9 else 64 * self.world + 37 * i
+            rows = self.world // 2 + i % 7 if scheme == "row" and i % 10 == 9 else 64 * self.world + 37 * i
             if scheme != "row":
                 rows = 1000 + 37 * i
             dtype = torch.bfloat16 if i % 4 == 3 else torch.float32
@@ -208,10 +209,13 @@ class Run:
     plans: list[GlobalPlan] = field(default_factory=list)
     records: list[Manifest] = field(default_factory=list)
     record_bytes: list[int] = field(default_factory=list)
+    progress: bool = False
 
     def add(self, phase: Phase) -> Phase:
         phase.peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         self.phases.append(phase)
+        if self.progress:
+            print(f"  {phase.name}: {phase.seconds:.2f} s", file=sys.stderr, flush=True)
         return phase
 
 
@@ -231,11 +235,11 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 
 def simulate(world: int, state_of: StateOf, *, changed: Changed, sizes: tuple[int, int] = DEFAULT_SIZES,
-             policy: BasePolicy | None = None, sample: int = 3) -> Run:
+             policy: BasePolicy | None = None, sample: int = 3, progress: bool = False) -> Run:
     """A base with a new layout, then a delta with the same layout, on ``world`` simulated ranks
     whose states ``state_of(rank, step)`` gives; ``changed`` says what changed in each part for the
     delta. ``write_items`` is timed (and checked against the plan) on ``sample`` ranks."""
-    run, policy = Run(), policy or EveryK(100)
+    run, policy = Run(progress=progress), policy or EveryK(100)
     planner, head, chain = GlobalPlanner(world), None, ChainState(0, 0, 0)
     digests: dict[int, str] = {}
     for step in (1, 2):
@@ -345,7 +349,8 @@ def main() -> None:
     row, col, tab = (float(x) for x in args.mix.split(","))
     job = Job(args.world, args.tensors, (row, col, tab), args.col_group)
     t0 = time.perf_counter()
-    run = simulate(job.world, job.state, changed=changed_share(args.changed), sample=args.sample)
+    run = simulate(job.world, job.state, changed=changed_share(args.changed), sample=args.sample,
+                   progress=True)
     parts = sum(len(t.parts) for t in run.plans[-1].tensors.values())
     text = table(run, job)
     print(text)

@@ -120,11 +120,13 @@ def test_bench_job_shards_unevenly_and_leaves_ranks_empty():
     states = [job.state(r, 1)["tensors"] for r in range(job.world)]
     run = sim.simulate(job.world, job.state, changed=sim.changed_share(0.1), sample=job.world)
     plan = run.plans[-1]
-    assert set(plan.tensors) == {name for name, *_ in job.layout()}
-    schemes = {name: scheme for name, scheme, *_ in job.layout()}
+    schemes = {f"tensors/{name}": scheme for name, scheme, *_ in job.layout()}
+    assert set(plan.tensors) == set(schemes)
     assert set(schemes.values()) == {"row", "col", "table"}
+    short = [n for n, t in plan.tensors.items() if schemes[n] == "row" and t.global_shape[0] < job.world]
+    assert short
     for name, t in plan.tensors.items():
-        holders = [r for r in range(job.world) if name in states[r]]
+        holders = [r for r in range(job.world) if name.removeprefix("tensors/") in states[r]]
         want = {"row": job.world, "col": 4, "table": 1}[schemes[name]]
         assert len(holders) == want, name
         if schemes[name] == "row" and t.global_shape[0] < job.world:
