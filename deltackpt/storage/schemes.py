@@ -1,6 +1,7 @@
 """Opening a storage from a URL: one opener per scheme.
 
-``file://PATH`` and plain paths open :class:`~deltackpt.storage.local.LocalStorage`. A backend for
+``file://PATH`` and plain paths open :class:`~deltackpt.storage.local.LocalStorage`, ``s3://BUCKET/PREFIX``
+:class:`~deltackpt.storage.s3.S3Storage`. A backend for
 another scheme registers its opener in :data:`OPENERS`.
 """
 
@@ -13,6 +14,7 @@ from typing import Any
 from ..errors import StoreError
 from .base import Storage
 from .local import LocalStorage
+from .s3 import open_s3
 
 Opener = Callable[[str, Mapping[str, Any]], Storage]
 """Makes a storage from a URL of its scheme and the caller's ``storage_options``."""
@@ -24,7 +26,7 @@ def _open_local(url: str, options: Mapping[str, Any]) -> Storage:
     return LocalStorage(url.removeprefix("file://"))
 
 
-OPENERS: dict[str, Opener] = {"file": _open_local}
+OPENERS: dict[str, Opener] = {"file": _open_local, "s3": open_s3}
 
 
 def open_storage(url: str | os.PathLike[str] | Storage,

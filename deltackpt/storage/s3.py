@@ -1,0 +1,310 @@
+"""A store in an S3-compatible bucket (AWS S3, SeaweedFS, Ceph RGW, MinIO, ...), through obstore.
+
+``s3://BUCKET/PREFIX`` names the store; the bucket must exist. Commits never rename or copy: a
+commit record (and the writer lease) is created by a ``PUT`` with ``If-None-Match: *``, which the
+server refuses with ``412`` when the key exists, and the lease is replaced by a ``PUT`` with
+``If-Match`` on its ETag. Before its first conditional write the backend checks that the server
+honours the precondition (a server that ignores it would let two writers both "commit" a step) and
+refuses the store with :class:`~deltackpt.errors.StoreError` otherwise, unless
+``conditional_writes=False`` says to go on without it, which is unsafe with two writers.
+
+Data objects are written with one ``PUT``, or a multipart upload in parallel parts above
+``multipart_bytes``; reads of part of an object are ranged ``GET`` s, so a chunk inside a pack never
+downloads the whole pack. A completed ``PUT`` is durable, so :meth:`S3Storage.sync` has nothing to
+do. Requests are retried with exponential backoff on throttling (``503 SlowDown``), other ``5xx``
+and dropped connections until ``retry_timeout`` seconds have passed since the first attempt.
+
+The client was chosen by measurement on this project's machine (``bench/bench_s3_clients.py``):
+against a local SeaweedFS, obstore made 2-3x more ranged GETs per second than s3fs and boto3 and
+read large objects fastest; large uploads were bound by the server for every client.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
+from typing import Any
+
+from ..errors import StoreError
+from .base import Capabilities, PointHook
+from .s3_config import S3Config
+
+log = logging.getLogger(__name__)
+
+PROBE_PREFIX = ".deltackpt-probe"
+
+
+class S3Storage:
+    """Objects under ``prefix`` in one bucket of an S3-compatible server.
+
+    Args:
+        config: where the bucket is and how to reach it (see :class:`S3Config`).
+        on_point: called before each durable step (see :mod:`deltackpt.storage.base`).
+
+    Example:
+        >>> from deltackpt.storage import open_storage
+        >>> storage = open_storage("s3://my-bucket/run1", {"endpoint_url": "http://127.0.0.1:8333",
+        ...     "access_key_id": "KEY", "secret_access_key": "SECRET"})  # doctest: +SKIP
+    """
+
+    capabilities = Capabilities(shared=True, persistent=True)
+
+    def __init__(self, config: S3Config, *, on_point: PointHook | None = None):
+        try:
+            import obstore
+            from obstore.store import S3Store
+        except ImportError:
+            raise StoreError(None, f"{config.url} needs the S3 client: pip install "
+                                   "'deltackpt[s3]'") from None
+        self._obs = obstore
+        self.config = config
+        self.url = config.url
+        self.on_point = on_point
+        self._root = f"{config.prefix}/" if config.prefix else ""
+        kwargs: dict[str, Any] = {"region": config.region}
+        if config.endpoint_url:
+            kwargs["endpoint"] = config.endpoint_url
+        if config.access_key_id:
+            kwargs["access_key_id"] = config.access_key_id
+            kwargs["secret_access_key"] = config.secret_access_key
+            if config.session_token:
+                kwargs["session_token"] = config.session_token
+        deadline = timedelta(seconds=config.retry_timeout)
+        self._store = S3Store(
+            config.bucket,
+            client_options={"allow_http": config.endpoint_url.startswith("http://"),
+                            "connect_timeout": timedelta(seconds=10),
+                            "timeout": timedelta(seconds=max(30.0, config.retry_timeout))},
+            retry_config={"max_retries": 1000, "retry_timeout": deadline,
+                          "backoff": {"init_backoff": timedelta(milliseconds=50),
+                                      "max_backoff": timedelta(seconds=5), "base": 2}},
+            **kwargs,
+        )
+        self._probe_lock = threading.Lock()
+        self._probed = not config.conditional_writes
+
+    # -- the protocol -------------------------------------------------------------------------
+
+    def point(self, phase: str, key: str) -> None:
+        if self.on_point is not None:
+            self.on_point(phase, key)
+
+    def write(self, key: str, parts: Iterable[memoryview]) -> None:
+        self.point("write_chunk", key)
+        pieces = [p.cast("B") if p.format != "B" or p.ndim != 1 else p for p in parts]
+        total = sum(len(p) for p in pieces)
+        if total < self.config.multipart_bytes:
+            body: Any = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+            try:
+                self._create(key, body)
+            except FileExistsError:
+                raise StoreError(errno.EEXIST, f"object exists: {self.url}/{key}") from None
+            return
+        # A multipart upload cannot be made create-only by this client; attempt folders have
+        # fresh random names, so an existing key here means a bug: refuse it.
+        if self.size(key) is not None:
+            raise StoreError(errno.EEXIST, f"object exists: {self.url}/{key}")
+        self._call("write", key, lambda: self._obs.put(
+            self._store, self._root + key, pieces, use_multipart=True,
+            chunk_size=self.config.part_bytes, max_concurrency=self.config.part_concurrency))
+
+    def sync(self, keys: Iterable[str]) -> None:
+        keys = list(keys)
+        if keys:
+            self.point("fsync", keys[0])  # a completed PUT is durable: nothing else to do
+
+    def sync_folders(self, folders: Iterable[str]) -> None:
+        for folder in folders:
+            self.point("fsync_dir", folder)  # a completed DELETE is durable
+
+    def read_into(self, key: str, out: memoryview, offset: int = 0) -> int:
+        out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+        if len(out) == 0:
+            size = self.size(key)
+            if size is None:
+                raise FileNotFoundError(f"no such object: {self.url}/{key}")
+            return size
+        try:
+            result = self._call("read", key, lambda: self._obs.get(
+                self._store, self._root + key, options={"range": (offset, offset + len(out))}))
+        except _RangeNotSatisfiable:
+            size = self.size(key)  # offset at or past the end: nothing to copy
+            if size is None:
+                raise FileNotFoundError(f"no such object: {self.url}/{key}") from None
+            return size
+        done = 0
+        for piece in result:
+            n = len(piece)
+            out[done: done + n] = memoryview(piece)
+            done += n
+        return int(result.meta["size"])
+
+    def read(self, key: str) -> bytes:
+        result = self._call("read", key, lambda: self._obs.get(self._store, self._root + key))
+        return bytes(result.bytes())
+
+    def size(self, key: str) -> int | None:
+        try:
+            return int(self._call("stat", key, lambda: self._obs.head(self._store, self._root + key))["size"])
+        except FileNotFoundError:
+            return None
+
+    def list(self, prefix: str) -> list[str]:
+        inside = f"{self._root}{prefix}/" if prefix else self._root
+        found = self._call("list", prefix, lambda: self._obs.list_with_delimiter(
+            self._store, inside or None))
+        names = {p.rstrip("/").rsplit("/", 1)[-1] for p in found["common_prefixes"]}
+        names |= {o["path"].rsplit("/", 1)[-1] for o in found["objects"]}
+        return sorted(names)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        self._check_conditional_writes()
+        self.point("write_manifest_tmp", key)
+        self.point("rename_manifest", key)
+        if not self.config.conditional_writes:
+            if self.size(key) is not None:
+                return False
+            self._call("commit", key, lambda: self._obs.put(
+                self._store, self._root + key, data, use_multipart=False))
+            return True
+        try:
+            self._create(key, data)
+        except FileExistsError:
+            return False
+        return True
+
+    def delete(self, key: str) -> None:
+        self.point("gc_delete", key)
+        try:
+            self._call("delete", key, lambda: self._obs.delete(self._store, self._root + key))
+        except FileNotFoundError:
+            pass
+
+    def usage(self, prefix: str) -> tuple[int, float]:
+        total, newest = 0, 0.0
+        for meta in self._objects_under(prefix):
+            total += int(meta["size"])
+            newest = max(newest, meta["last_modified"].timestamp())
+        return total, newest
+
+    def delete_tree(self, prefix: str) -> None:
+        self.point("gc_delete", prefix)
+        paths = [m["path"] for m in self._objects_under(prefix)]
+        # Servers that keep a file system behind S3 (SeaweedFS) list a folder emptied this way
+        # as an object of its own: delete the folders too, deepest first (elsewhere a no-op).
+        whole = self._root + prefix
+        folders = {p.rsplit("/", i)[0] for p in paths for i in range(1, p[len(whole):].count("/") + 1)}
+        paths += sorted(folders, key=len, reverse=True)
+        for i in range(0, len(paths), 1000):
+            batch = paths[i: i + 1000]
+            self._call("delete", prefix, lambda: self._obs.delete(self._store, batch))
+
+    # -- conditional writes -------------------------------------------------------------------
+
+    def _create(self, key: str, body: Any) -> None:
+        """PUTs ``key`` only if absent; raises FileExistsError (a StoreError for data writes)
+        when another object has the key. A retry after a dropped response finds its own
+        object there: an identical object counts as created."""
+        try:
+            self._call("write", key, lambda: self._obs.put(
+                self._store, self._root + key, body, mode="create", use_multipart=False))
+        except FileExistsError:
+            try:
+                if self.read(key) == bytes(body):
+                    return
+            except FileNotFoundError:
+                pass
+            raise
+
+    def _check_conditional_writes(self) -> None:
+        """Once per storage: a second create-only PUT of one key must be refused."""
+        if self._probed:
+            return
+        with self._probe_lock:
+            if self._probed:
+                return
+            key = f"{PROBE_PREFIX}/{uuid.uuid4().hex}"
+            body = b"deltackpt checks that this server honours If-None-Match"
+            self._create(key, body)
+            try:
+                self._call("probe", key, lambda: self._obs.put(
+                    self._store, self._root + key, body + b"!", mode="create", use_multipart=False))
+                honoured = False
+            except FileExistsError:
+                honoured = True
+            finally:
+                self.delete(key)
+            if not honoured:
+                raise StoreError(None, f"the S3 server at {self.config.server} ignores "
+                                       "If-None-Match on PUT, so two writers could both commit a "
+                                       "step; refusing it (storage_options conditional_writes="
+                                       "False goes on without, unsafe with two writers)")
+            self._probed = True
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _objects_under(self, prefix: str) -> list[dict[str, Any]]:
+        """Every object at ``prefix`` or under ``prefix/``."""
+        whole = self._root + prefix
+        try:  # the client lists what is under a folder, never the object of that name
+            found = [self._call("stat", prefix, lambda: self._obs.head(self._store, whole))]
+        except FileNotFoundError:
+            found = []
+        for batch in self._call("list", prefix, lambda: self._obs.list(self._store, whole)):
+            found.extend(m for m in batch if m["path"].startswith(whole + "/"))
+        return found
+
+    def _call(self, op: str, key: str, fn):  # type: ignore[no-untyped-def]
+        """Runs one client call, retrying what the client gives up on too early (a connection
+        dropped in the middle of a request that is not idempotent) until ``retry_timeout``;
+        maps the client's errors to the protocol's."""
+        exceptions = self._obs.exceptions
+        deadline = time.monotonic() + self.config.retry_timeout
+        delay = 0.05
+        while True:
+            try:
+                return fn()
+            except exceptions.NotFoundError:
+                raise FileNotFoundError(f"no such object: {self.url}/{key}") from None
+            except (exceptions.AlreadyExistsError, exceptions.PreconditionError):
+                raise FileExistsError(errno.EEXIST, f"object exists: {self.url}/{key}") from None
+            except (exceptions.PermissionDeniedError, exceptions.UnauthenticatedError) as e:
+                raise StoreError(errno.EACCES, f"{op} {self.url}/{key} refused: "
+                                               f"{_first_line(e)}") from None
+            except exceptions.BaseError as e:
+                text = str(e)
+                if "416" in text or "Range Not Satisfiable" in text or "InvalidRange" in text:
+                    raise _RangeNotSatisfiable() from None
+                if time.monotonic() + delay > deadline or not _transient(text):
+                    raise StoreError(errno.EIO, f"{op} {self.url}/{key} failed: "
+                                                f"{_first_line(e)}") from None
+                log.debug("%s %s/%s: %s; retrying in %.2f s", op, self.url, key, _first_line(e), delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+
+class _RangeNotSatisfiable(Exception):
+    """A ranged GET started at or past the end of the object."""
+
+
+def _transient(text: str) -> bool:
+    """Whether a client error is worth another try: throttling, 5xx, a broken connection."""
+    words = ("503", "500", "502", "504", "SlowDown", "connection", "Connection", "timed out",
+             "timeout", "reset", "closed", "broken pipe", "incomplete", "error sending request",
+             "error decoding response body")
+    return any(w in text for w in words)
+
+
+def _first_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def open_s3(url: str, options: Mapping[str, Any]) -> S3Storage:
+    """The opener of ``s3://`` URLs (registered in :data:`~deltackpt.storage.schemes.OPENERS`)."""
+    return S3Storage(S3Config.resolve(url, options))
