@@ -1,0 +1,138 @@
+"""The S3 backend's own promises: configuration, the conditional-write probe, ranged reads,
+multipart uploads, and retries through faults injected by a proxy between client and server."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+from s3_proxy import Fault, S3Proxy
+from s3_server import BUCKET
+
+from deltackpt import StoreError
+from deltackpt.storage import open_storage
+from deltackpt.storage.s3 import S3Storage
+from deltackpt.storage.s3_config import S3Config
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def proxy(s3_server):
+    p = S3Proxy(s3_server.endpoint_url)
+    yield p
+    p.stop()
+
+
+def _through(proxy: S3Proxy, s3_server, **extra) -> S3Storage:
+    options = {**s3_server.options(), "endpoint_url": proxy.endpoint_url, **extra}
+    storage = open_storage(f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}", options)
+    assert isinstance(storage, S3Storage)
+    return storage
+
+
+# -- configuration (no server) --------------------------------------------------------------------
+
+def test_options_win_over_the_environment_which_wins_over_the_aws_files(tmp_path):
+    (tmp_path / "config").write_text("[profile p]\nregion = eu-north-1\nendpoint_url = http://files:1\n")
+    (tmp_path / "credentials").write_text("[p]\naws_access_key_id = FILEKEY\naws_secret_access_key = FILESECRET\n")
+    env = {"AWS_CONFIG_FILE": str(tmp_path / "config"),
+           "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "credentials"), "AWS_PROFILE": "p"}
+    files = S3Config.resolve("s3://bkt/a/b/", {}, env)
+    assert (files.bucket, files.prefix, files.region, files.endpoint_url) == ("bkt", "a/b", "eu-north-1", "http://files:1")
+    assert (files.access_key_id, files.secret_access_key) == ("FILEKEY", "FILESECRET")
+    env |= {"AWS_ENDPOINT_URL": "http://env:2", "AWS_REGION": "ap-south-1",
+            "AWS_ACCESS_KEY_ID": "ENVKEY", "AWS_SECRET_ACCESS_KEY": "ENVSECRET"}
+    from_env = S3Config.resolve("s3://bkt", {}, env)
+    assert (from_env.prefix, from_env.endpoint_url, from_env.region) == ("", "http://env:2", "ap-south-1")
+    assert (from_env.access_key_id, from_env.secret_access_key) == ("ENVKEY", "ENVSECRET")
+    opts = S3Config.resolve("s3://bkt/x", {"endpoint_url": "http://opt:3", "region": "us-west-2",
+                                           "access_key_id": "OPTKEY", "secret_access_key": "OPTSECRET",
+                                           "retry_timeout": "5", "conditional_writes": "false"}, env)
+    assert (opts.endpoint_url, opts.region, opts.access_key_id, opts.secret_access_key) == (
+        "http://opt:3", "us-west-2", "OPTKEY", "OPTSECRET")
+    assert opts.retry_timeout == 5.0 and opts.conditional_writes is False
+
+
+def test_bad_urls_and_options_are_one_line_errors():
+    with pytest.raises(StoreError, match=r"s3://BUCKET\[/PREFIX\], got 's3:///x'"):
+        open_storage("s3:///x", {})
+    with pytest.raises(StoreError, match=r"unknown S3 storage_options \['anon'\]"):
+        open_storage("s3://bkt/x", {"anon": True})
+    with pytest.raises(StoreError, match="part_bytes must be at least 5 MiB"):
+        S3Config.resolve("s3://bkt", {"part_bytes": 1024}, {})
+    with pytest.raises(StoreError, match="retry_timeout has a bad value 'soon'"):
+        S3Config.resolve("s3://bkt", {"retry_timeout": "soon"}, {})
+    with pytest.raises(StoreError, match="'KEY' has no secret access key"):
+        S3Config.resolve("s3://bkt", {"access_key_id": "KEY"}, {})
+
+
+# -- against the servers --------------------------------------------------------------------------
+
+def test_a_server_that_ignores_if_none_match_is_refused_unless_opted_out(s3_server, proxy):
+    # The proxy answers the probe's second create-only PUT itself, as a server that ignores the
+    # precondition would.
+    proxy.add(Fault("fake_ok", method="PUT", path=r"\.deltackpt-probe/", header="If-None-Match", skip=1))
+    storage = _through(proxy, s3_server)
+    with pytest.raises(StoreError, match=f"server at {proxy.endpoint_url} ignores If-None-Match"):
+        storage.put_if_absent("commits/1.json", b"{}")
+    assert storage.size("commits/1.json") is None
+    unsafe = _through(proxy, s3_server, conditional_writes=False)
+    assert unsafe.put_if_absent("commits/1.json", b"{}")
+    assert not unsafe.put_if_absent("commits/1.json", b"{}")
+
+
+def test_a_read_of_part_of_an_object_downloads_only_that_part(s3_server, proxy):
+    storage = _through(proxy, s3_server)
+    data = bytes(range(256)) * (16 * 1024)  # 4 MiB
+    storage.write("steps/1-a/pack.0/c.0", [memoryview(data)])
+    proxy.clear()
+    out = bytearray(64 * 1024)
+    assert storage.read_into("steps/1-a/pack.0/c.0", memoryview(out), 1_000_003) == len(data)
+    assert bytes(out) == data[1_000_003: 1_000_003 + len(out)]
+    assert sum(e.received for e in proxy.log) == len(out)
+
+
+def test_large_objects_go_up_in_parts_and_come_back_whole(s3_server, proxy):
+    storage = _through(proxy, s3_server, multipart_bytes=str(5 * MiB), part_bytes=str(5 * MiB))
+    data = bytes(range(251)) * (12 * MiB // 251)
+    parts = [memoryview(data)[: 3 * MiB], memoryview(data)[3 * MiB:]]
+    storage.write("steps/1-a/t/c.0", parts)
+    uploads = [e for e in proxy.log if e.method == "PUT" and "partNumber=" in e.target]
+    assert len(uploads) == 3
+    assert storage.read("steps/1-a/t/c.0") == data
+    with pytest.raises(StoreError, match="object exists"):
+        storage.write("steps/1-a/t/c.0", parts)
+
+
+@pytest.mark.parametrize("fault", [
+    Fault("status", method="PUT", status=503, times=3),
+    Fault("status", method="PUT", status=500, times=2),
+    Fault("drop", method="PUT", times=2),
+    Fault("drop_answer", method="PUT", times=1),
+], ids=["503-slowdown", "500", "dropped-mid-upload", "dropped-answer"])
+def test_writes_and_commits_survive_throttling_errors_and_dropped_connections(s3_server, proxy, fault):
+    storage = _through(proxy, s3_server)
+    proxy.add(fault)
+    storage.write("steps/1-a/t/c.0", [memoryview(b"x" * 100_000)])
+    assert fault.hits == fault.times
+    proxy.add(Fault(fault.action, method="PUT", path=r"commits/", status=fault.status, times=fault.times))
+    # A commit whose answer was lost is retried, finds its own record there, and counts as made.
+    assert storage.put_if_absent("commits/00000000000000000001.json", b'{"attempt": "1-a"}')
+    assert not storage.put_if_absent("commits/00000000000000000001.json", b'{"attempt": "1-b"}')
+    assert storage.read("steps/1-a/t/c.0") == b"x" * 100_000
+
+
+def test_reads_survive_errors_and_retries_end_at_the_deadline(s3_server, proxy):
+    storage = _through(proxy, s3_server, retry_timeout="3")
+    storage.write("steps/a", [memoryview(b"abc")])
+    proxy.add(Fault("status", method="GET", status=503, times=2))
+    proxy.add(Fault("drop", method="HEAD", times=1))
+    assert storage.read("steps/a") == b"abc"
+    assert storage.size("steps/a") == 3
+    proxy.add(Fault("status", method="GET", status=500, times=10_000))
+    start = time.monotonic()
+    with pytest.raises(StoreError, match="read s3://.*/steps/a failed"):
+        storage.read("steps/a")
+    assert time.monotonic() - start < 3 + 10
