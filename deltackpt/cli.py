@@ -33,10 +33,21 @@ def progress_bar(total: int, desc: str):
                 disable=not sys.stderr.isatty())
 
 
-def _store(path: str) -> Store:
-    store = Store(open_storage(path))
+def _store(path: str, options: dict[str, str] | None = None) -> Store:
+    store = Store(open_storage(path, options))
     store.check_exists()
     return store
+
+
+def _options(args: argparse.Namespace) -> dict[str, str]:
+    """The ``--storage-option KEY=VALUE`` flags as ``storage_options``."""
+    options = {}
+    for item in args.storage_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise DeltackptError(f"--storage-option takes KEY=VALUE, got {item!r}")
+        options[key] = value
+    return options
 
 
 def _print_json(doc: Any) -> None:
@@ -45,7 +56,7 @@ def _print_json(doc: Any) -> None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    store = _store(args.path)
+    store = _store(args.path, _options(args))
     rows: list[dict[str, Any]] = []
     for step in store.steps():
         try:
@@ -86,7 +97,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    store = _store(args.path)
+    store = _store(args.path, _options(args))
     m = store.manifest(args.step)
     chain = [c.step for c in store.chain(args.step)]
     if args.json:
@@ -121,7 +132,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
         raise DeltackptError(f"--world-size must be >= 1, got {args.world_size}")
     out = os.path.abspath(args.out)
     written = []
-    with Checkpointer(args.path, create=False) as ckpt:
+    with Checkpointer(args.path, create=False, storage_options=_options(args)) as ckpt:
         if args.keys:
             _save_atomic(ckpt.load(args.step, keys=args.keys), out)
             written.append(out)
@@ -165,7 +176,7 @@ def _unshard(obj: Any, path: str, shards: dict[str, dict[str, list[int]]]) -> An
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    ckpt = Checkpointer(args.path, create=False)
+    ckpt = Checkpointer(args.path, create=False, storage_options=_options(args))
     try:
         steps = [args.step] if args.step is not None else ckpt.steps()
         total = sum(_step_bytes(ckpt.store, s) for s in steps)
@@ -217,7 +228,7 @@ def _print_gc(report: GCReport, as_json: bool, extra: dict[str, Any] | None = No
 
 def cmd_compact(args: argparse.Namespace) -> int:
     retention = _retention(args)
-    with Checkpointer(args.path, create=False) as ckpt:
+    with Checkpointer(args.path, create=False, storage_options=_options(args)) as ckpt:
         info = ckpt.compact(args.upto)
         report = ckpt.gc(retention, grace_seconds=args.grace) if retention else None
     doc = {"step": info.step, "compacted": info.done, "chain_length": info.chain_length,
@@ -236,7 +247,7 @@ def cmd_compact(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    with Checkpointer(args.path, create=False) as ckpt:
+    with Checkpointer(args.path, create=False, storage_options=_options(args)) as ckpt:
         report = ckpt.gc(_retention(args), grace_seconds=args.grace, dry_run=args.dry_run)
     _print_gc(report, args.json)
     return 0
@@ -299,6 +310,14 @@ def cmd_tail(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_path(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="the store: a directory or s3://BUCKET/PREFIX")
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a setting of the store's backend, repeatable; for s3://: endpoint_url, "
+                        "region, access_key_id, secret_access_key (else the AWS_* environment "
+                        "variables and ~/.aws files), conditional_writes, retry_timeout")
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .examples.demo import run_demo
 
@@ -313,19 +332,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("ls", help="list committed steps")
-    p.add_argument("path", help="store directory")
+    _add_path(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("show", help="one step's tensors, chain and checksums")
-    p.add_argument("path", help="store directory")
+    _add_path(p)
     p.add_argument("step", type=int, help="the step")
     p.add_argument("--chunks", action="store_true", help="list every chunk with size and checksum")
     p.add_argument("--json", action="store_true", help="print the whole commit record as JSON")
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("restore", help="write a step as state-dict file(s) (torch.load-able)")
-    p.add_argument("path", help="store directory")
+    _add_path(p)
     p.add_argument("--step", type=int, required=True, help="the step to restore")
     p.add_argument("--out", required=True,
                    help="output file, or folder with --world-size (read with torch.load(weights_only=True))")
@@ -339,20 +358,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_restore)
 
     p = sub.add_parser("verify", help="check chains, sizes and checksums of every chunk")
-    p.add_argument("path", help="store directory")
+    _add_path(p)
     p.add_argument("--step", type=int, default=None, help="only this step's chain (default: all)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("compact", help="fold a step's chain into a new base (then GC if --keep-last)")
-    p.add_argument("path", help="store directory")
+    _add_path(p)
     p.add_argument("--upto", type=int, default=None, help="the step (default: the latest)")
     _add_retention(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_compact)
 
     p = sub.add_parser("gc", help="drop steps not retained and delete unreferenced data")
-    p.add_argument("path", help="store directory")
+    _add_path(p)
     _add_retention(p)
     p.add_argument("--dry-run", action="store_true", help="list what would go, delete nothing")
     p.add_argument("--json", action="store_true", help="print JSON")
