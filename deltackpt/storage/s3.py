@@ -33,6 +33,7 @@ from typing import Any
 from ..errors import StoreError
 from .base import Capabilities, PointHook
 from .s3_config import S3Config
+from .s3_requests import SignedRequests
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class S3Storage:
                                       "max_backoff": timedelta(seconds=5), "base": 2}},
             **kwargs,
         )
+        self._signed = SignedRequests(config)
         self._probe_lock = threading.Lock()
         self._probed = not config.conditional_writes
 
@@ -177,6 +179,47 @@ class S3Storage:
         except FileExistsError:
             return False
         return True
+
+    def swap(self, key: str, expected: bytes | None, new: bytes | None) -> bool:
+        """Compare-and-swap on one small object: a read of its bytes and ETag, then a ``PUT``
+        (or ``DELETE``) with ``If-Match`` on that ETag, or a create-only ``PUT`` when
+        ``expected`` is None."""
+        self._check_conditional_writes()
+        self.point("swap", key)
+        try:
+            result = self._call("read", key, lambda: self._obs.get(self._store, self._root + key))
+            current, etag = bytes(result.bytes()), result.meta["e_tag"]
+        except FileNotFoundError:
+            current, etag = None, None
+        if current != expected:
+            return False
+        if new is None:
+            return True if etag is None else self._signed.delete_if_match(key, etag)
+        if etag is None:
+            try:
+                self._create(key, new)
+            except FileExistsError:
+                return False
+            return True
+        mode = {"e_tag": etag}
+        try:
+            self._call("swap", key, lambda: self._obs.put(self._store, self._root + key, new, mode=mode,
+                                                          use_multipart=False))
+        except FileExistsError:
+            try:  # a retry after a lost answer finds its own bytes in place
+                return self.read(key) == new
+            except FileNotFoundError:
+                return False
+        return True
+
+    def abort_stale_uploads(self, older_than: float) -> int:
+        """Aborts the multipart uploads under the store begun before Unix time ``older_than``
+        (left by saves that died); returns how many."""
+        stale = [u for u in self._signed.uploads(self._root) if u.initiated < older_than]
+        for upload in stale:
+            self.point("gc_delete", upload.key)
+            self._signed.abort(upload)
+        return len(stale)
 
     def delete(self, key: str) -> None:
         self.point("gc_delete", key)
