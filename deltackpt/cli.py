@@ -21,7 +21,7 @@ from .errors import DeltackptError, ManifestError
 from .ops.gc import GCReport, Retention
 from .sharding import Shard
 from .sizes import fmt_bytes
-from .storage import open_storage
+from .storage import open_storage, storage_options
 from .store import Store
 
 
@@ -40,14 +40,7 @@ def _store(path: str, options: dict[str, str] | None = None) -> Store:
 
 
 def _options(args: argparse.Namespace) -> dict[str, str]:
-    """The ``--storage-option KEY=VALUE`` flags as ``storage_options``."""
-    options = {}
-    for item in args.storage_option:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise DeltackptError(f"--storage-option takes KEY=VALUE, got {item!r}")
-        options[key] = value
-    return options
+    return storage_options(args.storage_option)
 
 
 def _print_json(doc: Any) -> None:

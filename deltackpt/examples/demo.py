@@ -40,6 +40,7 @@ from ..hooks import CheckpointHook
 from ..quantization import Rowwise
 from ..save.pending import SaveHandle
 from ..sharding import Shard, row_block
+from ..storage import storage_options
 from . import SPARSE_OPTIMIZERS, deterministic, dlrm_run, train
 from . import demo_report as report
 
@@ -84,6 +85,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also train the same run with the embedding rows its deltas write quantized to "
              "BITS bits (8, 4 or 2; row-wise, adaptive range below 8), check a restore of it "
              "against the bound its record gives, and plot its bytes beside the exact run's")
+    opt("--store", default=None, metavar="URL",
+        help="where the checkpoints go: a directory or s3://BUCKET/PREFIX; each run saves into a "
+             "new folder (prefix) inside (default: the run's folder under --path)")
+    opt("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+        help="a setting of the --store backend, repeatable (for s3://: endpoint_url, region, "
+             "access_key_id, secret_access_key; else the AWS_* environment variables)")
     opt("--json", action="store_true", help="print one JSON object per line")
 
 
@@ -165,18 +172,20 @@ def run_demo(args: argparse.Namespace) -> int:
     shapes = {"embedding_dim": args.dim, "bottom_mlp": (64, args.dim)}
     os.makedirs(args.path, exist_ok=True)
     run_dir = tempfile.mkdtemp(prefix=time.strftime("run-%Y%m%d-%H%M%S-"), dir=args.path)
-    store = os.path.join(run_dir, "store")
+    store = (f"{args.store.rstrip('/')}/{os.path.basename(run_dir)}" if args.store
+             else os.path.join(run_dir, "store"))
+    options = storage_options(args.storage_option)
     plot_path = os.path.join(run_dir, "checkpoint-bytes.png")
     pick = pick_restore_step(args)
     with warnings.catch_warnings(), deterministic(args.seed, threads=THREADS):
         # Adagrad and SparseAdam build sparse tensors without invariant checks and warn once.
         warnings.filterwarnings("ignore", message="Sparse invariant checks")
-        saves, kept, final, chain = train_with_checkpoints(data, args, shapes, store, pick, out)
+        saves, kept, final, chain = train_with_checkpoints(data, args, shapes, store, options, pick, out)
         t0 = time.perf_counter()
-        ranks = restore_on_ranks(store, pick, args.ranks, kept[0])
+        ranks = restore_on_ranks(store, options, pick, args.ranks, kept[0])
         ranks_ok = all(r.get("ok") for r in ranks)
         out.restored(pick, chain, saves, ranks, ranks_ok, time.perf_counter() - t0)
-        resumed = resume(data, args, shapes, store, pick, kept, final, out)
+        resumed = resume(data, args, shapes, store, options, pick, kept, final, out)
         lossy = (quantized_run(data, args, shapes, os.path.join(run_dir, f"store-q{args.quantize}"),
                                pick, out) if args.quantize else None)
     report.plot_bytes(plot_path, saves, args, quantized=lossy["saves"] if lossy else None)
@@ -189,8 +198,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def train_with_checkpoints(
-    data: CriteoConfig, args: argparse.Namespace, shapes: dict[str, Any], store: str, pick: int,
-    out: report.Output, quantize: dict[str, Rowwise] | None = None,
+    data: CriteoConfig, args: argparse.Namespace, shapes: dict[str, Any], store: str,
+    options: dict[str, str], pick: int, out: report.Output, quantize: dict[str, Rowwise] | None = None,
 ) -> tuple[list[dict[str, Any]], list[Snapshot], Snapshot, list[int]]:
     """The uninterrupted run, saving every ``args.every`` steps through the hook (with
     ``quantize``, the Checkpointer's quantization rules).
@@ -207,7 +216,8 @@ def train_with_checkpoints(
     saves: list[dict[str, Any]] = []
     kept: list[Snapshot] = []
     t0 = time.perf_counter()
-    with Checkpointer(store, base_every=args.base_every, quantize=quantize) as ckpt:
+    with Checkpointer(store, base_every=args.base_every, quantize=quantize,
+                      storage_options=options) as ckpt:
         def on_save(info: SaveInfo) -> None:
             m = ckpt.store.manifest(info.step)
             changed = sum(m.tensors[k].changed for k in tables)
@@ -233,7 +243,7 @@ def quantized_run(data: CriteoConfig, args: argparse.Namespace, shapes: dict[str
     restore of ``pick`` into a model from another seed, checked against the state saved there:
     each tensor within the chain bound its record gives (bit for bit where it gives none)."""
     rule = Rowwise(bits=args.quantize, adaptive=args.quantize < 8)
-    saves, kept, _, _ = train_with_checkpoints(data, args, shapes, store, pick, out,
+    saves, kept, _, _ = train_with_checkpoints(data, args, shapes, store, {}, pick, out,
                                                quantize={"model/embeddings.*": rule})
     state, _ = dlrm_run(data, sparse_optimizer=args.optimizer, seed=args.seed + 1, **shapes)
     with Checkpointer(store, create=False) as ckpt:
@@ -286,15 +296,15 @@ class _DemoHook(CheckpointHook):
 
 
 def resume(
-    data: CriteoConfig, args: argparse.Namespace, shapes: dict[str, Any], store: str, step: int,
-    at_step: list[Snapshot], final: Snapshot, out: report.Output,
+    data: CriteoConfig, args: argparse.Namespace, shapes: dict[str, Any], store: str,
+    options: dict[str, str], step: int, at_step: list[Snapshot], final: Snapshot, out: report.Output,
 ) -> dict[str, Any]:
     """Restores ``step`` on this rank into a model from another seed, trains to the end and
     compares with the state saved at ``step`` and with the uninterrupted run's final state.
     ``at_step`` holds the copy saved at ``step``; it is emptied once compared, to free it."""
     state, loss = dlrm_run(data, sparse_optimizer=args.optimizer, seed=args.seed + 1, **shapes)
     t0 = time.perf_counter()
-    with Checkpointer(store, create=False) as ckpt:
+    with Checkpointer(store, create=False, storage_options=options) as ckpt:
         ckpt.restore(state, step)
     restore_s = time.perf_counter() - t0
     bad_at_step = differences(snapshot(state, copy=False), at_step.pop())
@@ -317,7 +327,7 @@ def resume(
 # -- restore on several ranks ---------------------------------------------------------------------
 
 
-def restore_on_ranks(store: str, step: int, world: int, want: Snapshot,
+def restore_on_ranks(store: str, options: dict[str, str], step: int, world: int, want: Snapshot,
                      timeout: float = 600.0) -> list[dict[str, Any]]:
     """Restores ``step`` on ``world`` spawned gloo ranks, each into its row-wise shards, and has
     each rank compare its shards with ``want``; returns each rank's report (``ok``, ``error``)."""
@@ -333,7 +343,7 @@ def restore_on_ranks(store: str, step: int, world: int, want: Snapshot,
             port = s.getsockname()[1]
         outs = [os.path.join(tmp, f"rank{r}.json") for r in range(world)]
         procs = [ctx.Process(target=_rank_main, daemon=True,
-                             args=(r, world, port, store, step, reference, outs[r]))
+                             args=(r, world, port, store, options, step, reference, outs[r]))
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -356,7 +366,8 @@ def restore_on_ranks(store: str, step: int, world: int, want: Snapshot,
     return results
 
 
-def _rank_main(rank: int, world: int, port: int, store: str, step: int, reference: str,
+def _rank_main(rank: int, world: int, port: int, store: str, options: dict[str, str], step: int,
+               reference: str,
                out: str) -> None:
     """One rank: restore ``step`` into empty row-wise shards, compare them with the reference."""
     import torch.distributed as dist
@@ -367,7 +378,8 @@ def _rank_main(rank: int, world: int, port: int, store: str, step: int, referenc
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=120))
-        with Checkpointer(store, create=False, process_group=dist.group.WORLD) as ckpt:
+        with Checkpointer(store, create=False, process_group=dist.group.WORLD,
+                          storage_options=options) as ckpt:
             m = ckpt.store.manifest(step)
             targets: dict[str, torch.Tensor | Shard] = {}
             for key, rec in m.tensors.items():

@@ -58,3 +58,22 @@ def open_storage(url: str | os.PathLike[str] | Storage,
         raise StoreError(None, f"no storage backend for scheme {scheme!r} in {path!r}; "
                                f"known: {sorted(OPENERS)}")
     return opener(path, storage_options or {})
+
+
+def storage_options(items: list[str]) -> dict[str, str]:
+    """``storage_options`` from ``KEY=VALUE`` strings (a command line's ``--storage-option``).
+
+    Raises:
+        StoreError: an item is not ``KEY=VALUE``.
+
+    Example:
+        >>> storage_options(["region=eu-west-1", "endpoint_url=http://127.0.0.1:8333"])
+        {'region': 'eu-west-1', 'endpoint_url': 'http://127.0.0.1:8333'}
+    """
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise StoreError(None, f"--storage-option takes KEY=VALUE, got {item!r}")
+        options[key] = value
+    return options
