@@ -63,6 +63,8 @@ class Exchange:
     sent: int  # request body bytes
     received: int  # response body bytes
     fault: str = ""
+    wire_sent: int = 0  # the request as sent: request line, headers and body
+    wire_received: int = 0  # the answer as sent back: status line, headers and body
 
 
 @dataclass
@@ -154,7 +156,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return
             dropped = ("transfer-encoding", "connection") + (() if self.command == "HEAD" else ("content-length",))
             out = {k: v for k, v in resp.getheaders() if k.lower() not in dropped}
-            self.owner._record(Exchange(self.command, self.path, length, len(data)))
+            head = len(self.raw_requestline) + len(self.headers.as_bytes())
+            answer_head = len(f"HTTP/1.1 {resp.status} {resp.reason}\r\n") + sum(
+                len(f"{k}: {v}\r\n") for k, v in out.items()) + len(f"Content-Length: {len(data)}\r\n\r\n")
+            self.owner._record(Exchange(self.command, self.path, length, len(data), "",
+                                        head + length, answer_head + len(data)))
             self._answer(resp.status, data, out)
         finally:
             up.close()
