@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 import threading
 import time
 import uuid
@@ -321,7 +322,7 @@ class S3Storage:
                                                f"{_first_line(e)}") from None
             except exceptions.BaseError as e:
                 text = str(e)
-                if "416" in text or "Range Not Satisfiable" in text or "InvalidRange" in text:
+                if _STATUS_416.search(text) or "InvalidRange" in text:
                     raise _RangeNotSatisfiable() from None
                 if time.monotonic() + delay > deadline or not _transient(text):
                     raise StoreError(errno.EIO, f"{op} {self.url}/{key} failed: "
@@ -335,12 +336,15 @@ class _RangeNotSatisfiable(Exception):
     """A ranged GET started at or past the end of the object."""
 
 
+_STATUS_416 = re.compile(r"status(?: code)?: 416\b")
+_STATUS_RETRY = re.compile(r"status(?: code)?: (?:5\d\d|429)\b")
+_BROKEN = ("SlowDown", "connection", "Connection", "timed out", "timeout", "reset", "closed",
+           "broken pipe", "incomplete", "error sending request", "error decoding response body")
+
+
 def _transient(text: str) -> bool:
     """Whether a client error is worth another try: throttling, 5xx, a broken connection."""
-    words = ("503", "500", "502", "504", "SlowDown", "connection", "Connection", "timed out",
-             "timeout", "reset", "closed", "broken pipe", "incomplete", "error sending request",
-             "error decoding response body")
-    return any(w in text for w in words)
+    return _STATUS_RETRY.search(text) is not None or any(w in text for w in _BROKEN)
 
 
 def _first_line(e: BaseException) -> str:
