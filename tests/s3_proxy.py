@@ -28,7 +28,8 @@ class Fault:
 
     Attributes:
         action: ``"drop"`` (read half the body, then reset the connection), ``"drop_answer"``
-            (forward the request, then reset the connection instead of answering), ``"status"``
+            (forward the request, then reset the connection instead of answering), ``"drop_body"``
+            (reset the connection after half of the answer's body), ``"status"``
             (answer ``status`` with an S3 error document), or ``"fake_ok"`` (answer 200 without
             forwarding).
         method: the HTTP method to match ("" for any).
@@ -134,7 +135,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._reset()
             return
         body = self.rfile.read(length) if length else b""
-        if fault is not None and fault.action != "drop_answer":
+        if fault is not None and fault.action not in ("drop_answer", "drop_body"):
             self.owner._record(Exchange(self.command, self.path, length, 0, fault.action))
             if fault.action == "fake_ok":
                 self._answer(200, b"", {"ETag": '"00000000000000000000000000000000"'})
@@ -150,6 +151,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             up.request(self.command, self.path, body=body, headers=headers)
             resp = up.getresponse()
             data = resp.read()
+            if fault is not None and fault.action == "drop_body" and len(data) > 1:
+                self.owner._record(Exchange(self.command, self.path, length, len(data) // 2, "drop_body"))
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection"):
+                        self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(data[: len(data) // 2])
+                self.wfile.flush()
+                self._reset()
+                return
             if fault is not None and fault.action == "drop_answer":
                 self.owner._record(Exchange(self.command, self.path, length, 0, "drop_answer"))
                 self._reset()

@@ -132,24 +132,29 @@ class S3Storage:
             if size is None:
                 raise FileNotFoundError(f"no such object: {self.url}/{key}")
             return size
+
+        def fetch() -> int:
+            # The body streams in pieces; a connection dropped in the middle fails this whole
+            # call, which is then retried.
+            result = self._obs.get(self._store, self._root + key,
+                                   options={"range": (offset, offset + len(out))})
+            done = 0
+            for piece in result:
+                n = len(piece)
+                out[done: done + n] = memoryview(piece)
+                done += n
+            return int(result.meta["size"])
+
         try:
-            result = self._call("read", key, lambda: self._obs.get(
-                self._store, self._root + key, options={"range": (offset, offset + len(out))}))
+            return int(self._call("read", key, fetch))
         except _RangeNotSatisfiable:
             size = self.size(key)  # offset at or past the end: nothing to copy
             if size is None:
                 raise FileNotFoundError(f"no such object: {self.url}/{key}") from None
             return size
-        done = 0
-        for piece in result:
-            n = len(piece)
-            out[done: done + n] = memoryview(piece)
-            done += n
-        return int(result.meta["size"])
 
     def read(self, key: str) -> bytes:
-        result = self._call("read", key, lambda: self._obs.get(self._store, self._root + key))
-        return bytes(result.bytes())
+        return bytes(self._call("read", key, lambda: self._obs.get(self._store, self._root + key).bytes()))
 
     def size(self, key: str) -> int | None:
         try:
@@ -187,9 +192,14 @@ class S3Storage:
         ``expected`` is None."""
         self._check_conditional_writes()
         self.point("swap", key)
+        def fetch() -> tuple[bytes, str | None]:
+            result = self._obs.get(self._store, self._root + key)
+            return bytes(result.bytes()), result.meta["e_tag"]
+
+        current: bytes | None
+        etag: str | None
         try:
-            result = self._call("read", key, lambda: self._obs.get(self._store, self._root + key))
-            current, etag = bytes(result.bytes()), result.meta["e_tag"]
+            current, etag = self._call("read", key, fetch)
         except FileNotFoundError:
             current, etag = None, None
         if current != expected:
@@ -251,12 +261,13 @@ class S3Storage:
     # -- conditional writes -------------------------------------------------------------------
 
     def _create(self, key: str, body: Any) -> None:
-        """PUTs ``key`` only if absent; raises FileExistsError (a StoreError for data writes)
-        when another object has the key. A retry after a dropped response finds its own
-        object there: an identical object counts as created."""
+        """PUTs ``key`` only if absent (unless conditional writes are off); raises
+        FileExistsError when another object has the key. A retry after a dropped answer finds
+        its own object there: an identical object counts as created."""
+        mode = "create" if self.config.conditional_writes else "overwrite"
         try:
             self._call("write", key, lambda: self._obs.put(
-                self._store, self._root + key, body, mode="create", use_multipart=False))
+                self._store, self._root + key, body, mode=mode, use_multipart=False))
         except FileExistsError:
             try:
                 if self.read(key) == bytes(body):
@@ -299,8 +310,9 @@ class S3Storage:
             found = [self._call("stat", prefix, lambda: self._obs.head(self._store, whole))]
         except FileNotFoundError:
             found = []
-        for batch in self._call("list", prefix, lambda: self._obs.list(self._store, whole)):
-            found.extend(m for m in batch if m["path"].startswith(whole + "/"))
+        listed = self._call("list", prefix, lambda: [m for batch in self._obs.list(self._store, whole)
+                                                     for m in batch])
+        found.extend(m for m in listed if m["path"].startswith(whole + "/"))
         return found
 
     def _call(self, op: str, key: str, fn):  # type: ignore[no-untyped-def]

@@ -131,6 +131,14 @@ def test_reads_survive_errors_and_retries_end_at_the_deadline(s3_server, proxy):
     proxy.add(Fault("drop", method="HEAD", times=1))
     assert storage.read("steps/a") == b"abc"
     assert storage.size("steps/a") == 3
+    data = bytes(range(256)) * 4096
+    storage.write("steps/b", [memoryview(data)])
+    body = proxy.add(Fault("drop_body", method="GET", times=2))
+    out = bytearray(300_000)
+    assert storage.read_into("steps/b", memoryview(out), 5) == len(data)
+    assert bytes(out) == data[5: 300_005] and body.hits == 2
+    body = proxy.add(Fault("drop_body", method="GET", times=1))
+    assert storage.read("steps/b") == data and body.hits == 1
     proxy.add(Fault("status", method="GET", status=500, times=10_000))
     start = time.monotonic()
     with pytest.raises(StoreError, match="read s3://.*/steps/a failed"):
