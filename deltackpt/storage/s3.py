@@ -21,15 +21,16 @@ read large objects fastest; large uploads were bound by the server for every cli
 
 from __future__ import annotations
 
+import builtins
 import errno
 import logging
 import re
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import StoreError
 from .base import Capabilities, PointHook
@@ -39,6 +40,7 @@ from .s3_requests import SignedRequests
 log = logging.getLogger(__name__)
 
 PROBE_PREFIX = ".deltackpt-probe"
+T = TypeVar("T")
 
 
 class S3Storage:
@@ -303,7 +305,7 @@ class S3Storage:
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    def _objects_under(self, prefix: str) -> list[dict[str, Any]]:
+    def _objects_under(self, prefix: str) -> builtins.list[dict[str, Any]]:
         """Every object at ``prefix`` or under ``prefix/``."""
         whole = self._root + prefix
         try:  # the client lists what is under a folder, never the object of that name
@@ -315,7 +317,7 @@ class S3Storage:
         found.extend(m for m in listed if m["path"].startswith(whole + "/"))
         return found
 
-    def _call(self, op: str, key: str, fn):  # type: ignore[no-untyped-def]
+    def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
         """Runs one client call, retrying what the client gives up on too early (a connection
         dropped in the middle of a request that is not idempotent) until ``retry_timeout``;
         maps the client's errors to the protocol's."""
