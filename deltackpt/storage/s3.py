@@ -218,11 +218,8 @@ class S3Storage:
         try:
             self._call("swap", key, lambda: self._obs.put(self._store, self._root + key, new, mode=mode,
                                                           use_multipart=False))
-        except FileExistsError:
-            try:  # a retry after a lost answer finds its own bytes in place
-                return self.read(key) == new
-            except FileNotFoundError:
-                return False
+        except _Refused as e:
+            return e.retried and self._holds(key, new)
         return True
 
     def abort_stale_uploads(self, older_than: float) -> int:
@@ -264,19 +261,23 @@ class S3Storage:
 
     def _create(self, key: str, body: Any) -> None:
         """PUTs ``key`` only if absent (unless conditional writes are off); raises
-        FileExistsError when another object has the key. A retry after a dropped answer finds
-        its own object there: an identical object counts as created."""
+        FileExistsError when another object has the key. A request sent again after its answer
+        was lost, then refused, finds its own object there: that counts as created."""
         mode = "create" if self.config.conditional_writes else "overwrite"
         try:
             self._call("write", key, lambda: self._obs.put(
                 self._store, self._root + key, body, mode=mode, use_multipart=False))
-        except FileExistsError:
-            try:
-                if self.read(key) == bytes(body):
-                    return
-            except FileNotFoundError:
-                pass
-            raise
+        except _Refused as e:
+            if not (e.retried and self._holds(key, bytes(body))):
+                raise
+
+    def _holds(self, key: str, data: bytes) -> bool:
+        """Whether ``key`` holds ``data``: after a request was sent again and refused, whether
+        the first one went through (its answer was lost)."""
+        try:
+            return self.read(key) == data
+        except FileNotFoundError:
+            return False
 
     def _check_conditional_writes(self) -> None:
         """Once per storage: a second create-only PUT of one key must be refused."""
@@ -324,13 +325,16 @@ class S3Storage:
         exceptions = self._obs.exceptions
         deadline = time.monotonic() + self.config.retry_timeout
         delay = 0.05
+        tries = 0
         while True:
             try:
+                tries += 1
                 return fn()
             except exceptions.NotFoundError:
                 raise FileNotFoundError(f"no such object: {self.url}/{key}") from None
-            except (exceptions.AlreadyExistsError, exceptions.PreconditionError):
-                raise FileExistsError(errno.EEXIST, f"object exists: {self.url}/{key}") from None
+            except (exceptions.AlreadyExistsError, exceptions.PreconditionError) as e:
+                retried = tries > 1 or _RETRIED.search(str(e)) is not None
+                raise _Refused(retried, f"object exists: {self.url}/{key}") from None
             except (exceptions.PermissionDeniedError, exceptions.UnauthenticatedError) as e:
                 raise StoreError(errno.EACCES, f"{op} {self.url}/{key} refused: "
                                                f"{_first_line(e)}") from None
@@ -346,10 +350,20 @@ class S3Storage:
                 delay = min(delay * 2, 5.0)
 
 
+class _Refused(FileExistsError):
+    """A conditional request was refused (412, or 409 on a create); ``retried``: the request had
+    been sent before, so the refusal may be of its own first try."""
+
+    def __init__(self, retried: bool, message: str):
+        super().__init__(errno.EEXIST, message)
+        self.retried = retried
+
+
 class _RangeNotSatisfiable(Exception):
     """A ranged GET started at or past the end of the object."""
 
 
+_RETRIED = re.compile(r"\bretries: [1-9]")  # the client's own retries, not max_retries
 _STATUS_416 = re.compile(r"status(?: code)?: 416\b")
 _STATUS_RETRY = re.compile(r"status(?: code)?: (?:5\d\d|429)\b")
 _BROKEN = ("SlowDown", "connection", "Connection", "timed out", "timeout", "reset", "closed",

@@ -3,6 +3,7 @@ multipart uploads, and retries through faults injected by a proxy between client
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
@@ -163,6 +164,23 @@ def test_swap_replaces_and_removes_only_what_it_expects(s3_url, s3_options, prox
     proxy.add(Fault("drop_answer", method="PUT", path="writer.lease", header="If-Match"))
     assert through.swap("writer.lease", b"1", b"2")
     assert through.read("writer.lease") == b"2"
+    # Refused replaces of bytes another writer also writes are not mistaken for one's own.
+    start = threading.Barrier(8)
+
+    def count_up() -> None:
+        start.wait()
+        done = 0
+        while done < 10:
+            seen = storage.read("counter")
+            done += storage.swap("counter", seen, str(int(seen) + 1).encode())
+
+    storage.swap("counter", None, b"0")
+    threads = [threading.Thread(target=count_up) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert storage.read("counter") == b"80"
 
 
 def test_stale_multipart_uploads_are_aborted(s3_server, s3_url, s3_options):
