@@ -12,6 +12,7 @@ pytest collects the subclass's inherited ``test_*`` methods; ``tmp_path`` is pyt
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,20 @@ class StorageConformance:
         assert storage.usage("steps/7-a")[0] == 13
         assert storage.usage("steps/8-b/t/c.0")[0] == 256
         assert storage.usage("steps/8-b")[1] > 0
+
+    def test_write_takes_each_part_as_it_comes(self, tmp_path: Path) -> None:
+        # A writer streams through one buffer: a part's memory is refilled once the next is asked for.
+        storage = self.make_storage(tmp_path)
+        buffer = bytearray(4)
+
+        def parts() -> Iterator[memoryview]:
+            for fill in (b"aaaa", b"bbbb", b"cc"):
+                buffer[: len(fill)] = fill
+                yield memoryview(buffer)[: len(fill)]
+
+        storage.write("steps/a/pack.0/c.0", parts())
+        storage.sync(["steps/a/pack.0/c.0"])
+        assert storage.read("steps/a/pack.0/c.0") == b"aaaabbbbcc"
 
     def test_write_refuses_an_existing_key(self, tmp_path: Path) -> None:
         storage = self.make_storage(tmp_path)

@@ -101,10 +101,12 @@ class S3Storage:
 
     def write(self, key: str, parts: Iterable[memoryview]) -> None:
         self.point("write_chunk", key)
-        pieces = [p.cast("B") if p.format != "B" or p.ndim != 1 else p for p in parts]
-        total = sum(len(p) for p in pieces)
-        if total < self.config.multipart_bytes:
-            body: Any = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        # Each part is copied as it comes: a writer may reuse a part's memory for the next one
+        # (a pack streams through one staging buffer), and the request goes out only at the end.
+        body = bytearray()
+        for p in parts:
+            body += p.cast("B") if p.format != "B" or p.ndim != 1 else p
+        if len(body) < self.config.multipart_bytes:
             try:
                 self._create(key, body)
             except FileExistsError:
@@ -115,7 +117,7 @@ class S3Storage:
         if self.size(key) is not None:
             raise StoreError(errno.EEXIST, f"object exists: {self.url}/{key}")
         self._call("write", key, lambda: self._obs.put(
-            self._store, self._root + key, pieces, use_multipart=True,
+            self._store, self._root + key, body, use_multipart=True,
             chunk_size=self.config.part_bytes, max_concurrency=self.config.part_concurrency))
 
     def sync(self, keys: Iterable[str]) -> None:
