@@ -69,6 +69,8 @@ class GCReport:
         deleted: attempt folders and temp files removed.
         freed_bytes: their bytes.
         young: unreferenced folders kept because they are younger than the grace period.
+        aborted_uploads: unfinished uploads (an object store's multipart uploads) older than
+            the grace period, abandoned by saves that died, that were aborted.
         dry_run: whether nothing was deleted.
     """
 
@@ -77,6 +79,7 @@ class GCReport:
     deleted: list[str] = field(default_factory=list)
     freed_bytes: int = 0
     young: list[str] = field(default_factory=list)
+    aborted_uploads: int = 0
     dry_run: bool = False
 
 
@@ -123,6 +126,8 @@ def collect(store: Store, retention: Retention, *, grace_seconds: float = 3600.0
             store.storage.delete_tree(path)
     if not dry_run and report.deleted:
         store.storage.sync_folders([STEPS, COMMITS, BASES])
+    if not dry_run:
+        report.aborted_uploads = store.storage.abort_stale_uploads(now - grace_seconds)
     return report
 
 

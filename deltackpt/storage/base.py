@@ -89,3 +89,8 @@ class Storage(Protocol):
 
     def delete_tree(self, prefix: str) -> None:
         """Removes everything under ``prefix``."""
+
+    def abort_stale_uploads(self, older_than: float) -> int:
+        """Abandons uploads begun before Unix time ``older_than`` and never finished (an object
+        store's multipart uploads left by saves that died), freeing their parts; returns how
+        many. Backends whose writes leave nothing behind return 0."""

@@ -102,6 +102,13 @@ class StorageConformance:
         storage.delete_tree("nothing")
         storage.sync_folders(["nothing"])
 
+    def test_nothing_unfinished_is_left_by_whole_writes(self, tmp_path: Path) -> None:
+        storage = self.make_storage(tmp_path)
+        storage.write("steps/a/c.0", [memoryview(b"data")])
+        storage.sync(["steps/a/c.0"])
+        assert storage.abort_stale_uploads(float("inf")) == 0
+        assert storage.read("steps/a/c.0") == b"data"
+
     def test_delete_and_delete_tree(self, tmp_path: Path) -> None:
         storage = self.make_storage(tmp_path)
         keys = ["steps/1-a/x/c.0", "steps/1-a/x/c.1", "steps/2-b/x/c.0"]

@@ -72,3 +72,6 @@ class FaultInjection:
 
     def delete_tree(self, prefix: str) -> None:
         self.inner.delete_tree(prefix)
+
+    def abort_stale_uploads(self, older_than: float) -> int:
+        return self.inner.abort_stale_uploads(older_than)

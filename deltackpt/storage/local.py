@@ -272,6 +272,9 @@ class LocalStorage:
                 newest = max(newest, fst.st_mtime)
         return total, newest
 
+    def abort_stale_uploads(self, older_than: float) -> int:
+        return 0  # a dead save's files are ordinary files: GC deletes them with their folder
+
     def delete_tree(self, prefix: str) -> None:
         self.point("gc_delete", prefix)
         path = self._path(prefix)

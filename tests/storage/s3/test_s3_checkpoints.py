@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from s3_server import BUCKET
 
 from deltackpt import Checkpointer
 from deltackpt.ops.gc import Retention
@@ -139,3 +140,19 @@ def test_a_large_base_goes_up_in_parts_and_restores_exactly(s3_url, s3_options, 
         assert ckpt.save(2, state).kind == "delta"
     with Checkpointer(s3_url, storage_options=s3_options, create=False) as ckpt:
         assert torch.equal(ckpt.load(2)["big"], state["big"])
+
+
+def test_gc_aborts_the_uploads_a_dead_save_left(s3_server, s3_url, s3_options):
+    with Checkpointer(s3_url, storage_options=s3_options) as ckpt:
+        ckpt.save(1, reference(1))
+        prefix = s3_url.removeprefix(f"s3://{BUCKET}/")
+        client = s3_server.client()
+        key = f"{prefix}/steps/2-0123456789ab/pack.0/c.0"
+        upload = client.create_multipart_upload(Bucket=BUCKET, Key=key)["UploadId"]
+        client.upload_part(Bucket=BUCKET, Key=key, UploadId=upload, PartNumber=1, Body=b"x" * 1000)
+        if s3_server.kind == "seaweedfs":  # moto dates every upload in 2010
+            assert ckpt.gc(grace_seconds=3600).aborted_uploads == 0
+        assert ckpt.gc(grace_seconds=0).aborted_uploads == 1
+        assert ckpt.steps() == [1]
+    left = client.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads", [])
+    assert left == []
