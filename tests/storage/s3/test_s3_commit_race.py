@@ -9,6 +9,7 @@ import uuid
 
 import pytest
 import torch
+from dist_harness import by_file, call
 from s3_server import BUCKET
 
 from deltackpt import Checkpointer, DeltackptError
@@ -71,13 +72,14 @@ def race_threads(s3_server) -> None:
 
 def race_processes(s3_server) -> None:
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "deltackpt"])
+    ctx.set_forkserver_preload(["torch", "deltackpt", "dist_harness"])
     url = f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}"
     options = s3_server.options()
     with ctx.Manager() as manager:
         results = manager.dict()
         start, end = ctx.Barrier(WRITERS), ctx.Barrier(WRITERS)
-        procs = [ctx.Process(target=_in_process, args=(url, options, w, start, end, results))
+        # By file, not by module: the forkserver may have been started by another test.
+        procs = [ctx.Process(target=call, args=(by_file(_in_process), url, options, w, start, end, results))
                  for w in range(WRITERS)]
         for p in procs:
             p.start()
