@@ -49,7 +49,8 @@ def make_state(args: argparse.Namespace) -> dict[str, Any]:
     accs = {f"t{i}": torch.rand(args.rows, generator=gen) for i in range(args.tables)}
     mlp = {f"l{i}": torch.randn(1024, 1024, generator=gen) for i in range(4)}
     adam = {k: {"exp_avg": torch.zeros_like(v), "exp_avg_sq": torch.zeros_like(v)} for k, v in mlp.items()}
-    return {"tables": tables, "adagrad": accs, "mlp": mlp, "adam": adam, "step": torch.zeros((), dtype=torch.int64)}
+    return {"tables": tables, "adagrad": accs, "mlp": mlp, "adam": adam,
+            "step": torch.zeros((), dtype=torch.int64)}
 
 
 def tensors(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -200,13 +201,15 @@ def main() -> None:
             for target in args.targets.split(","):
                 tag = uuid.uuid4().hex[:8]
                 if target == "s3":
-                    run_round("deltackpt s3", Deltackpt(f"s3://{BUCKET}/{tag}", server.options()), args, times, None)
+                    lib: Any = Deltackpt(f"s3://{BUCKET}/{tag}", server.options())
+                    run_round("deltackpt s3", lib, args, times, None)
                 elif target == "local":
                     path = os.path.join(scratch, tag)
                     run_round("deltackpt local dir", Deltackpt(path, None), args, times, path)
                     shutil.rmtree(path)
                 else:
-                    run_round("DCP fsspec s3fs", DCP(f"s3://{BUCKET}/dcp-{tag}", server.endpoint_url), args, times, None)
+                    lib = DCP(f"s3://{BUCKET}/dcp-{tag}", server.endpoint_url)
+                    run_round("DCP fsspec s3fs", lib, args, times, None)
             reserve.hold()
         sent, received, stored = wire_bytes(server, args)
         print(f"\n| op | median s | GB/s of state |\n| --- | --- | --- |")

@@ -146,7 +146,8 @@ def main() -> None:
     p.add_argument("--clients", default="obstore,s3fs,boto3")
     args = p.parse_args()
     makers = {"obstore": obstore_client,
-              "obstore-single": functools.partial(obstore_client, multipart=False), "s3fs": s3fs_client, "boto3": boto3_client}
+              "obstore-single": functools.partial(obstore_client, multipart=False),
+              "s3fs": s3fs_client, "boto3": boto3_client}
     server = start_seaweedfs()
     try:
         print(f"SeaweedFS at {server.endpoint_url}; {args.large} x {args.large_mb} MiB large objects, "

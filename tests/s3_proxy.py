@@ -166,7 +166,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self.owner._record(Exchange(self.command, self.path, length, 0, "drop_answer"))
                 self._reset()
                 return
-            dropped = ("transfer-encoding", "connection") + (() if self.command == "HEAD" else ("content-length",))
+            dropped = ("transfer-encoding", "connection")
+            if self.command != "HEAD":  # a HEAD's length is the object's, not of an empty body
+                dropped += ("content-length",)
             out = {k: v for k, v in resp.getheaders() if k.lower() not in dropped}
             head = len(self.raw_requestline) + len(self.headers.as_bytes())
             answer_head = len(f"HTTP/1.1 {resp.status} {resp.reason}\r\n") + sum(

@@ -2,11 +2,12 @@
 
 ``s3://BUCKET/PREFIX`` names the store; the bucket must exist. Commits never rename or copy: a
 commit record (and the writer lease) is created by a ``PUT`` with ``If-None-Match: *``, which the
-server refuses with ``412`` when the key exists, and :meth:`S3Storage.swap` replaces a small object
-by a ``PUT`` (or ``DELETE``) with ``If-Match`` on its ETag. Before its first conditional write the backend checks that the server
-honours the precondition (a server that ignores it would let two writers both "commit" a step) and
-refuses the store with :class:`~deltackpt.errors.StoreError` otherwise, unless
-``conditional_writes=False`` says to go on without it, which is unsafe with two writers.
+server refuses with ``412`` when the key exists, and :meth:`S3Storage.swap` replaces a small
+object by a ``PUT`` (or ``DELETE``) with ``If-Match`` on its ETag. Before its first conditional
+write the backend checks that the server honours the precondition (a server that ignores it would
+let two writers both "commit" a step) and refuses the store with
+:class:`~deltackpt.errors.StoreError` otherwise, unless ``conditional_writes=False`` says to go on
+without it, which is unsafe with two writers.
 
 Data objects are written with one ``PUT``, or a multipart upload in parallel parts above
 ``multipart_bytes``; reads of part of an object are ranged ``GET`` s, so a chunk inside a pack never

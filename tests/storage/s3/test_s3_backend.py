@@ -37,11 +37,13 @@ def _through(proxy: S3Proxy, s3_server, **extra) -> S3Storage:
 
 def test_options_win_over_the_environment_which_wins_over_the_aws_files(tmp_path):
     (tmp_path / "config").write_text("[profile p]\nregion = eu-north-1\nendpoint_url = http://files:1\n")
-    (tmp_path / "credentials").write_text("[p]\naws_access_key_id = FILEKEY\naws_secret_access_key = FILESECRET\n")
+    (tmp_path / "credentials").write_text(
+        "[p]\naws_access_key_id = FILEKEY\naws_secret_access_key = FILESECRET\n")
     env = {"AWS_CONFIG_FILE": str(tmp_path / "config"),
            "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "credentials"), "AWS_PROFILE": "p"}
     files = S3Config.resolve("s3://bkt/a/b/", {}, env)
-    assert (files.bucket, files.prefix, files.region, files.endpoint_url) == ("bkt", "a/b", "eu-north-1", "http://files:1")
+    assert (files.bucket, files.prefix, files.region, files.endpoint_url) == (
+        "bkt", "a/b", "eu-north-1", "http://files:1")
     assert (files.access_key_id, files.secret_access_key) == ("FILEKEY", "FILESECRET")
     env |= {"AWS_ENDPOINT_URL": "http://env:2", "AWS_REGION": "ap-south-1",
             "AWS_ACCESS_KEY_ID": "ENVKEY", "AWS_SECRET_ACCESS_KEY": "ENVSECRET"}
