@@ -109,12 +109,29 @@ def from_dtensor(dt: Any, path: str) -> Shard:
     return Shard(local, global_shape=tuple(dt.shape), global_offset=tuple(offset))
 
 
+def is_sharded_tensor(obj: Any) -> bool:
+    cls = type(obj)
+    return cls.__name__ == "ShardedTensor" and cls.__module__.startswith("torch.distributed")
+
+
+def from_sharded_tensor(st: Any, path: str) -> Shard:
+    """The Shard of a ShardedTensor that holds one local shard on this rank."""
+    local = st.local_shards()
+    if len(local) != 1:
+        raise StateError(f"{path}: a ShardedTensor with {len(local)} local shards on this rank; "
+                         "pass one Shard per rank (TorchRec's DMP and fused optimizer are handled whole)")
+    return Shard(local[0].tensor, global_shape=tuple(st.size()),
+                 global_offset=tuple(int(o) for o in local[0].metadata.shard_offsets))
+
+
 def as_shard(obj: Any, path: str) -> Shard:
-    """A tensor, Shard or DTensor as a Shard."""
+    """A tensor, Shard, DTensor or ShardedTensor as a Shard."""
     if isinstance(obj, Shard):
         return obj
     if is_dtensor(obj):
         return from_dtensor(obj, path)
+    if is_sharded_tensor(obj):
+        return from_sharded_tensor(obj, path)
     return Shard(obj, global_shape=tuple(obj.shape), global_offset=(0,) * obj.dim())
 
 

@@ -68,7 +68,20 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
     return FlatState(tensors, tree)
 
 
+def integration(obj: object) -> Any:
+    """The module that saves and restores ``obj`` (TorchRec's DMP and fused optimizers), imported
+    only for such an object, or None."""
+    if type(obj).__module__.startswith(("torchrec.", "deltackpt.integrations.torchrec")):
+        from .integrations import torchrec
+
+        return torchrec if torchrec.handles(obj) else None
+    return None
+
+
 def _node(obj: Any, path: str, tensors: dict[str, Shard]) -> dict[str, Any]:
+    adapter = integration(obj)
+    if adapter is not None:
+        return _node(adapter.live_state(obj).tree, path, tensors)
     if isinstance(obj, (torch.Tensor, Shard)):
         if path in tensors:
             raise StateError(f"two entries of the state map to the key {path!r}")

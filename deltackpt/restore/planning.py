@@ -76,6 +76,12 @@ def _walk(live: Any, node: dict[str, Any], path: str, m: Manifest, plan: Restore
           missing: list[str], unexpected: list[str]) -> None:
     (kind, body), = node.items()
     where = path or "<root>"
+    adapter = statetree.integration(live)
+    if adapter is not None:
+        view, finish = adapter.prepare_restore(live, path, {k: r.shape for k, r in m.tensors.items()})
+        _walk(view.tree, node, path, m, plan, missing, unexpected)
+        plan.steps.append(lambda ts: finish())
+        return
     if isinstance(live, (torch.Tensor, Shard)):
         if kind != "tensor":
             raise StateError(f"{where}: the target is a tensor, the checkpoint holds a {kind}")
@@ -127,7 +133,7 @@ def _child(parent: Any, k: Any, node: dict[str, Any], path: str, m: Manifest, pl
            missing: list[str], unexpected: list[str]) -> None:
     live = parent[k]
     mutable = isinstance(live, (torch.Tensor, Shard, nn.Module, MutableMapping, MutableSequence))
-    if mutable or statetree.is_stateful(live):
+    if mutable or statetree.is_stateful(live) or statetree.integration(live) is not None:
         _walk(live, node, path, m, plan, missing, unexpected)
     else:
         # Immutable values (numbers, strings, tuples) are replaced in their container.

@@ -121,6 +121,7 @@ class ChangeTracker:
         whose marks are complete, from hashes for the rest."""
         out: dict[str, TensorChange] = {}
         self._scanned = []
+        self.rows.poll()
         for group in self.rows.resolve(tensors):
             out.update(self._scan_group(group, tensors))
             self._scanned.append(group.table)
@@ -153,6 +154,7 @@ class ChangeTracker:
         """Takes ``tensors`` (just restored) as the reference; tracked tables' marks restart."""
         self._refs = {k: _Reference(t.dtype, tuple(t.shape), self.hash(t)) for k, t in tensors.items()}
         self._scanned = []
+        self.rows.poll()  # marks from before the restore are stale
         for group in self.rows.resolve(tensors):
             group.table.restored(group.rows, tensors[group.keys[0]].device)
 

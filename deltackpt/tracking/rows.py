@@ -35,7 +35,7 @@ Example:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -93,6 +93,7 @@ class RowTracker:
         self._hooks: dict[int, RemovableHandle] = {}  # by id() of the hooked module
         self._params: dict[str, tuple[torch.Tensor, tuple[torch.optim.Optimizer, str] | None]] = {}
         self._warned: set[str] = set()
+        self._polls: list[Callable[[], None]] = []  # mark sources read at each save (TorchRec's)
 
     # -- registration ---------------------------------------------------------------------------
 
@@ -126,6 +127,8 @@ class RowTracker:
         if not isinstance(model, nn.Module):
             raise StateError(f"track() needs an nn.Module, got {type(model).__name__}")
         canary = canary if canary is not None else Canary()
+        if type(model).__module__.startswith("torchrec."):
+            return self._track_torchrec(model, prefix, optimizer, optimizer_prefix, canary)
         opt = (optimizer, optimizer_prefix) if optimizer is not None else None
         names: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -189,7 +192,34 @@ class RowTracker:
             if t is not None:
                 t.stop()
 
+    def _track_torchrec(self, model: nn.Module, prefix: str, optimizer: object,
+                        optimizer_prefix: str, canary: Canary) -> TrackHandle:
+        """A TorchRec DMP: see :mod:`deltackpt.integrations.torchrec_marks`."""
+        from .integrations import torchrec_marks
+
+        if not torchrec_marks.is_sharded_model(model):
+            raise StateError(f"track(): {type(model).__name__} holds no sharded TorchRec "
+                             "EmbeddingBagCollection")
+        keys, poll, stop = torchrec_marks.track(
+            lambda ks: self._register(ks, None, None, canary), model, prefix=prefix,
+            optimizer=optimizer, optimizer_prefix=optimizer_prefix, canary=canary)
+        self._polls.append(poll)
+        tracker = self
+
+        class Stop:
+            def remove(self) -> None:
+                stop()
+                if poll in tracker._polls:
+                    tracker._polls.remove(poll)
+
+        return TrackHandle(tuple(keys), self, [Stop()])  # type: ignore[list-item]
+
     # -- for the change tracker -----------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Moves the marks of sources read at saves (TorchRec's ModelDeltaTracker) into the tables."""
+        for fn in self._polls:
+            fn()
 
     def tables(self) -> list[TrackedTable]:
         """Every tracked table, once each."""
