@@ -105,3 +105,40 @@ def train_step(dmp, opt, step: int, rank: int, hot: float = 1.0) -> float:
 
 def state(dmp, opt, step: int) -> dict:
     return {"model": dmp, "optim": dmp.fused_optimizer, "dense_optim": opt, "step": step}
+
+
+def local_values(dmp) -> dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]:
+    """Every local shard of the DMP's tables and fused optimizer state, read from TorchRec's own
+    state dicts: (global offsets, a copy) by key, the optimizer's under ``optim/<fqn>/<name>``."""
+    out = {}
+    for key, st in dmp.state_dict().items():
+        shards = st.local_shards() if hasattr(st, "local_shards") else []
+        out[f"model/{key}"] = [(tuple(s.metadata.shard_offsets), s.tensor.clone()) for s in shards] \
+            if hasattr(st, "local_shards") else [((0,) * st.dim(), st.clone())]
+    for fqn, entries in dmp.fused_optimizer.state_dict()["state"].items():
+        for name, st in entries.items():
+            out[f"optim/{fqn}/{name}"] = [(tuple(s.metadata.shard_offsets), s.tensor.clone())
+                                          for s in st.local_shards()]
+    return out
+
+
+def check_against(loaded: dict, values: dict) -> int:
+    """Asserts every local value equals the saved global state (TorchRec's momentum layout:
+    column shard j of a table at ``[j * rows, (j+1) * rows)``); returns the values compared."""
+    n = 0
+    for key, parts in values.items():
+        if key.startswith("model/"):
+            saved = loaded["model"][key.removeprefix("model/")]
+            for offset, t in parts:
+                box = tuple(slice(o, o + s) for o, s in zip(offset, t.shape))
+                assert torch.equal(saved[box], t), key
+                n += t.numel()
+            continue
+        _, fqn, name = key.split("/")
+        saved = loaded["optim"]["state"][fqn][name]  # (rows, column shards)
+        rows = saved.shape[0]
+        for (o,), t in parts:
+            want = saved[o:o + t.numel(), 0] if saved.shape[1] == 1 else saved[:, o // rows]
+            assert torch.equal(want, t), (key, o)
+            n += t.numel()
+    return n

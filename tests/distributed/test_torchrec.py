@@ -18,43 +18,6 @@ from dist_harness import check_ok, run_ranks  # noqa: E402
 SAVE_EVERY, SAVED, MORE = 3, 9, 20
 
 
-def local_values(dmp) -> dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]:
-    """Every local shard of the DMP's tables and fused optimizer state, read from TorchRec's own
-    state dicts: (global offsets, a copy) by key, the optimizer's under ``optim/<fqn>/<name>``."""
-    out = {}
-    for key, st in dmp.state_dict().items():
-        shards = st.local_shards() if hasattr(st, "local_shards") else []
-        out[f"model/{key}"] = [(tuple(s.metadata.shard_offsets), s.tensor.clone()) for s in shards] \
-            if hasattr(st, "local_shards") else [((0,) * st.dim(), st.clone())]
-    for fqn, entries in dmp.fused_optimizer.state_dict()["state"].items():
-        for name, st in entries.items():
-            out[f"optim/{fqn}/{name}"] = [(tuple(s.metadata.shard_offsets), s.tensor.clone())
-                                          for s in st.local_shards()]
-    return out
-
-
-def check_against(loaded: dict, values: dict) -> int:
-    """Asserts every local value equals the saved global state (TorchRec's momentum layout:
-    column shard j of a table at ``[j * rows, (j+1) * rows)``); returns the values compared."""
-    n = 0
-    for key, parts in values.items():
-        if key.startswith("model/"):
-            saved = loaded["model"][key.removeprefix("model/")]
-            for offset, t in parts:
-                box = tuple(slice(o, o + s) for o, s in zip(offset, t.shape))
-                assert torch.equal(saved[box], t), key
-                n += t.numel()
-            continue
-        _, fqn, name = key.split("/")
-        saved = loaded["optim"]["state"][fqn][name]  # (rows, column shards)
-        rows = saved.shape[0]
-        for (o,), t in parts:
-            want = saved[o:o + t.numel(), 0] if saved.shape[1] == 1 else saved[:, o // rows]
-            assert torch.equal(want, t), (key, o)
-            n += t.numel()
-    return n
-
-
 def save_run(rank, world, path, tracker, track):
     """Plan A2 on 2 ranks: SAVED steps with saves every SAVE_EVERY, then MORE uninterrupted steps."""
     import deltackpt
@@ -69,7 +32,7 @@ def save_run(rank, world, path, tracker, track):
             tm.train_step(dmp, opt, step, rank)
             if step % SAVE_EVERY == 0:
                 kinds.append(ckpt.save(step, tm.state(dmp, opt, step)).kind)
-        compared = check_against(ckpt.load(SAVED), local_values(dmp))
+        compared = tm.check_against(ckpt.load(SAVED), tm.local_values(dmp))
     for step in range(SAVED + 1, SAVED + MORE + 1):
         losses.append(tm.train_step(dmp, opt, step, rank))
     with deltackpt.Checkpointer(f"{path}-final") as ckpt:
@@ -86,7 +49,7 @@ def resume_run(rank, world, path, plan):
     with deltackpt.Checkpointer(path) as ckpt:
         st = tm.state(dmp, opt, 0)
         assert ckpt.restore(st, SAVED) == SAVED and st["step"] == SAVED
-        compared = check_against(ckpt.load(SAVED), local_values(dmp))
+        compared = tm.check_against(ckpt.load(SAVED), tm.local_values(dmp))
         ckpt.track(dmp, optimizer=dmp.fused_optimizer)
         losses, kinds = [], []
         for step in range(SAVED + 1, SAVED + MORE + 1):
@@ -163,3 +126,63 @@ def test_restore_on_other_world_sizes(saved, tmp_path, world, plan):
     for _, losses, kinds in resumed:
         assert len(losses) == MORE and all(torch.isfinite(torch.tensor(losses)))
         assert kinds[0] == "delta"
+
+
+def convert_run(rank, world, path, convert):
+    """Restores SAVED (t2 in 2 column shards) under plan T2 (t2 in one piece)."""
+    import deltackpt
+    import trec_model as tm
+    from deltackpt.integrations.torchrec import Convert
+
+    dmp, opt = tm.build("T2", seed=1 + rank)
+    optim = Convert(dmp.fused_optimizer) if convert else dmp.fused_optimizer
+    with deltackpt.Checkpointer(path, create=False) as ckpt:
+        try:
+            ckpt.restore({"model": dmp, "optim": optim, "dense_optim": opt, "step": 0}, SAVED)
+        except deltackpt.DeltackptError as e:
+            return type(e).__name__, str(e)
+        loaded = ckpt.load(SAVED)
+    values = tm.local_values(dmp)
+    momentum = values.pop("optim/sparse.embedding_bags.t2.weight/t2.momentum1", [])
+    compared = tm.check_against(loaded, values)
+    saved = loaded["optim"]["state"]["sparse.embedding_bags.t2.weight"]["t2.momentum1"].double()
+    for (o,), t in momentum:
+        want = ((saved[:, 0] * 4 + saved[:, 1] * 4) / 8).float()[o:o + t.numel()]
+        assert torch.equal(t, want)
+        compared += t.numel()
+    return "ok", compared
+
+
+def test_column_split_change_needs_a_conversion(saved, tmp_path):
+    path, _ = saved
+    refused = check_ok(run_ranks(convert_run, 2, str(tmp_path), path, False, deadline=300))
+    for kind, message in refused:
+        assert kind in ("MomentumLayoutError", "CheckpointAborted"), message
+        assert "table 't2'" in message and "2 column shards" in message and "column_mean" in message
+        assert "MomentumLayoutError" in message  # raised on rank 0, which holds t2 under plan T2
+    converted = check_ok(run_ranks(convert_run, 2, str(tmp_path), path, True, deadline=300))
+    assert all(kind == "ok" for kind, _ in converted)
+    assert sum(n for _, n in converted) >= sum(r * d + r for r, d in tm.TABLES.values())
+
+
+def test_cli_restores_a_torchrec_store_without_torchrec(saved, tmp_path):
+    import subprocess
+    import sys
+
+    import deltackpt
+    from deltackpt import statetree
+
+    path, _ = saved
+    out = tmp_path / "state.pt"
+    code = ("import sys; sys.modules['torchrec'] = None; from deltackpt.cli import main; "
+            f"rc = main(['restore', {path!r}, '--step', '{SAVED}', '--out', {str(out)!r}]); "
+            "assert not any(m.startswith('torchrec') and sys.modules[m] is not None for m in sys.modules); "
+            "sys.exit(rc)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    restored = torch.load(out, weights_only=True)
+    with deltackpt.Checkpointer(path, create=False) as ckpt:
+        want = statetree.flatten(ckpt.load(SAVED)).tensors
+    got = statetree.flatten(restored).tensors
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key].local, want[key].local), key
