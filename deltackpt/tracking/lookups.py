@@ -13,7 +13,8 @@ input is split per feature with ``keys()``, ``values()`` and ``length_per_key()`
 module's own forward computes and caches, so reading it adds no device sync), and each feature's
 ids mark the table that ``embedding_bag_configs()`` assigns it to. torchrec is never imported
 here: the interface class is looked up among the modules already imported, since a model that
-holds such a module has imported it. Sharded TorchRec modules are not supported.
+holds such a module has imported it. Sharded collections (in a DMP) are tracked by
+:mod:`deltackpt.integrations.torchrec_marks`.
 """
 
 from __future__ import annotations
