@@ -41,7 +41,7 @@ torchrec is not imported here: the objects passed in come from it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,8 +87,8 @@ class LiveState:
 
     Attributes:
         tree: the nested dict of Shards, tensors and plain values.
-        copies: Shards that are copies of several local shards, with the function that writes a
-            Shard's values back into them.
+        copies: for each Shard that is a copy of several local shards, the function that writes
+            its values back into them.
     """
 
     tree: dict[str, Any]

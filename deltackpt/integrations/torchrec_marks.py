@@ -18,12 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..errors import StateError
 from ..lookups import feature_ids
-from ..marks import Canary, TrackedTable
+from ..marks import TrackedTable
 from ..statetree import key_part
 from .torchrec import live_state
 
@@ -44,8 +43,7 @@ def state_fqn(module_path: str) -> str:
 
 
 def track(register: Callable[[tuple[str, ...]], TrackedTable], model: nn.Module, *, prefix: str,
-          optimizer: Any, optimizer_prefix: str, canary: Canary
-          ) -> tuple[list[str], Callable[[], None], Callable[[], None]]:
+          optimizer: Any, optimizer_prefix: str) -> tuple[list[str], Callable[[], None], Callable[[], None]]:
     """Tracks every table of ``model``'s sharded collections that this rank holds a shard of.
 
     Args:
@@ -54,7 +52,6 @@ def track(register: Callable[[tuple[str, ...]], TrackedTable], model: nn.Module,
         prefix: its flat-key path in the state.
         optimizer: its fused optimizer, or None.
         optimizer_prefix: the optimizer's flat-key path.
-        canary: the canary's sample size.
 
     Returns:
         The tracked keys; a poll function that moves the ModelDeltaTracker's ids into the marks

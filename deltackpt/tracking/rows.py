@@ -202,7 +202,7 @@ class RowTracker:
                              "EmbeddingBagCollection")
         keys, poll, stop = torchrec_marks.track(
             lambda ks: self._register(ks, None, None, canary), model, prefix=prefix,
-            optimizer=optimizer, optimizer_prefix=optimizer_prefix, canary=canary)
+            optimizer=optimizer, optimizer_prefix=optimizer_prefix)
         self._polls.append(poll)
         tracker = self
 
