@@ -21,8 +21,8 @@ from typing import Any
 from torch import nn
 
 from ..errors import StateError
-from ..lookups import feature_ids
-from ..marks import TrackedTable
+from ..tracking.lookups import feature_ids
+from ..tracking.marks import TrackedTable
 from ..statetree import key_part
 from .torchrec import live_state
 

@@ -195,7 +195,7 @@ class RowTracker:
     def _track_torchrec(self, model: nn.Module, prefix: str, optimizer: object,
                         optimizer_prefix: str, canary: Canary) -> TrackHandle:
         """A TorchRec DMP: see :mod:`deltackpt.integrations.torchrec_marks`."""
-        from .integrations import torchrec_marks
+        from ..integrations import torchrec_marks
 
         if not torchrec_marks.is_sharded_model(model):
             raise StateError(f"track(): {type(model).__name__} holds no sharded TorchRec "

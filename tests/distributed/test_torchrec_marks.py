@@ -22,7 +22,7 @@ def marked_run(rank, world, path, source, bump):
     changes the rows of t3 that no lookup touches before the third save (many rows: the canary
     samples, so a single stray row is found only with the chance that the sample hits it)."""
     import deltackpt
-    from deltackpt.marks import TableMode
+    from deltackpt.tracking.marks import TableMode
 
     dmp, opt = tm.build("A2", tracker=source == "tracker")
     with deltackpt.Checkpointer(path) as ckpt:
@@ -46,7 +46,7 @@ def marked_run(rank, world, path, source, bump):
 def delta_rows(path: str) -> dict[int, dict[str, list[int]]]:
     """Every delta step's written row ids, by tensor key (row-sparse tensors)."""
     import deltackpt
-    from deltackpt.reader import ChainReader
+    from deltackpt.io.reader import ChainReader
 
     out = {}
     with deltackpt.Checkpointer(path, create=False) as ckpt:
