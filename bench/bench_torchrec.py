@@ -61,7 +61,12 @@ def build(args: argparse.Namespace, plan: str):
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.sharding_plan import (
+        column_wise,
+        construct_module_sharding_plan,
+        row_wise,
+        table_wise,
+    )
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
@@ -153,7 +158,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, scratc
         ckpt.track(dmp, optimizer=dmp.fused_optimizer)
         train_step(dmp, args, rank, world, 0, args.share)
         base = []
-        times["base save"] = [timed(lambda: base.append(ckpt.save(1, {"model": dmp, "optim": dmp.fused_optimizer})))]
+        state = {"model": dmp, "optim": dmp.fused_optimizer}
+        times["base save"] = [timed(lambda: base.append(ckpt.save(1, state)))]
         sizes["base save"] = base[0].bytes_written
         state_bytes = base[0].state_bytes
         for r in range(args.repeat):

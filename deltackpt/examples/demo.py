@@ -91,6 +91,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("--storage-option", action="append", default=[], metavar="KEY=VALUE",
         help="a setting of the --store backend, repeatable (for s3://: endpoint_url, region, "
              "access_key_id, secret_access_key; else the AWS_* environment variables)")
+    opt("--torchrec", action="store_true",
+        help="the same DLRM as a TorchRec DistributedModelParallel on 2 ranks, restored under "
+             "another sharding plan (needs the torchrec extra; --ranks, --optimizer, --quantize and "
+             "--store do not apply)")
     opt("--json", action="store_true", help="print one JSON object per line")
 
 
@@ -165,6 +169,10 @@ def differences(got: Snapshot, want: Snapshot) -> list[str]:
 
 def run_demo(args: argparse.Namespace) -> int:
     _check(args)
+    if args.torchrec:
+        from .demo_torchrec import run
+
+        return run(args, pick_restore_step(args))
     t_start = time.perf_counter()
     out = report.Output(as_json=args.json)
     data = CriteoConfig(scale=args.scale, max_rows=args.max_rows, batch_size=args.batch_size,

@@ -207,8 +207,8 @@ def _coalesce(key: str, shape: tuple[int, ...], parts: list[_Local],
                      f"{sorted(p.offset for p in parts)} do not form one block")
 
 
-
-def prepare_restore(obj: Any, path: str, saved_shapes: Mapping[str, tuple[int, ...]]) -> tuple[LiveState, Callable[[], None]]:
+def prepare_restore(obj: Any, path: str, saved_shapes: Mapping[str, tuple[int, ...]]
+                    ) -> tuple[LiveState, Callable[[], None]]:
     """The live state to restore ``obj`` into, and what to run once the restore filled it.
 
     A row-wise state saved with another number of column shards is left to a conversion: its

@@ -91,7 +91,8 @@ def track(register: Callable[[tuple[str, ...]], TrackedTable], model: nn.Module,
             by_feature[id(mod)].update(dict.fromkeys(cfg.feature_names or [table], t))
     delta_tracker = getattr(model, "get_delta_tracker", lambda: None)()
     if delta_tracker is not None:
-        consumer = "deltackpt" if "deltackpt" in getattr(delta_tracker, "per_consumer_batch_idx", {}) else None
+        consumers = getattr(delta_tracker, "per_consumer_batch_idx", {})
+        consumer = "deltackpt" if "deltackpt" in consumers else None
 
         def poll() -> None:
             for fqn, ids in delta_tracker.get_unique_ids(consumer).items():

@@ -56,7 +56,8 @@ def delta_rows(path: str) -> dict[int, dict[str, list[int]]]:
             if m.kind != "delta":
                 continue
             reader = ChainReader(ckpt.store.storage, chain, ckpt._pool, ckpt._executor)
-            out[step] = {key: sorted(i for p in rec.parts if p.changed for i in reader._read_ids(m, key, p).tolist())
+            out[step] = {key: sorted(i for p in rec.parts if p.changed
+                                     for i in reader._read_ids(m, key, p).tolist())
                          for key, rec in m.tensors.items() if len(rec.shape) >= 2}
     return out
 
@@ -81,7 +82,8 @@ def test_marks_give_the_deltas_of_hashing(hashed, tmp_path, source):
     got = delta_rows(path)
     assert got == want
     momentum = "optim/state/sparse.embedding_bags.t2.weight/t2.momentum1"
-    assert all(got[s][momentum] for s in got) and all(got[s]["model/sparse.embedding_bags.t2.weight"] for s in got)
+    weight = "model/sparse.embedding_bags.t2.weight"
+    assert all(got[s][momentum] for s in got) and all(got[s][weight] for s in got)
 
 
 def test_canary_catches_a_row_changed_without_a_lookup(tmp_path):
