@@ -4,6 +4,10 @@ layers under DDP with their own Adagrad, and batches that depend only on the ste
 
 from __future__ import annotations
 
+import functools
+import subprocess
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -20,6 +24,18 @@ PLANS = {
     # t2 in one piece: its row-wise optimizer state has 1 column shard instead of 2.
     "T2": {"t0": ("table", 1), "t1": ("row",), "t2": ("table", 0), "t3": ("table", 1)},
 }
+
+
+@functools.cache
+def torchrec_missing() -> str | None:
+    """Why torchrec cannot be imported, or None. Tried in a child process: importing torchrec
+    imports triton, which the kernel tests need imported only after they set TRITON_INTERPRET."""
+    done = subprocess.run([sys.executable, "-c", "import torchrec"], capture_output=True, text=True)
+    if done.returncode == 0:
+        return None
+    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    return (f"torchrec is not importable ({last}); install it with pip install deltackpt[torchrec], "
+            "then pip install --no-deps torchrec==1.9.2")
 
 
 class DLRM(nn.Module):

@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("torchrec", reason="torchrec is not installed (pip install deltackpt[torchrec], "
-                    "then pip install --no-deps torchrec==1.9.2)")
+import trec_model as tm
+from dist_harness import check_ok, run_ranks
 
-import trec_model as tm  # noqa: E402
-from dist_harness import check_ok, run_ranks  # noqa: E402
+# torchrec is imported in the ranks only (see trec_model.torchrec_missing).
+if tm.torchrec_missing():
+    pytest.skip(tm.torchrec_missing(), allow_module_level=True)
 
 STEPS, EVERY, HOT = 12, 3, 0.5
 
