@@ -67,6 +67,8 @@ class TorchRecDLRM(nn.Module):
                                 bottom_mlp=config.bottom_mlp, top_mlp=config.top_mlp))
         self.sparse = ebc
         self.bottom, self.top = dense.bottom, dense.top
+        self._rows: torch.Tensor
+        self._cols: torch.Tensor
         self.register_buffer("_rows", dense._rows, persistent=False)
         self.register_buffer("_cols", dense._cols, persistent=False)
 

@@ -41,7 +41,7 @@ torchrec is not imported here: the objects passed in come from it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +49,6 @@ import torch
 
 from ..errors import StateError
 from ..sharding import Shard, is_sharded_tensor
-from ..statetree import key_part
 
 CONVERSIONS = ("column_mean",)
 
@@ -207,7 +206,7 @@ def _coalesce(key: str, shape: tuple[int, ...], parts: list[_Local],
                      f"{sorted(p.offset for p in parts)} do not form one block")
 
 
-def prepare_restore(obj: Any, path: str, saved_shapes: Mapping[str, tuple[int, ...]]
+def prepare_restore(obj: Any, saved_shape: Callable[[tuple[str, ...]], tuple[int, ...] | None]
                     ) -> tuple[LiveState, Callable[[], None]]:
     """The live state to restore ``obj`` into, and what to run once the restore filled it.
 
@@ -218,8 +217,8 @@ def prepare_restore(obj: Any, path: str, saved_shapes: Mapping[str, tuple[int, .
 
     Args:
         obj: the DMP, the fused optimizer, or a :class:`Convert` of it.
-        path: the flat key of ``obj`` in the state.
-        saved_shapes: global shape of every saved tensor, by flat key.
+        saved_shape: the saved global shape of the tensor at a path under ``obj`` (a tuple of
+            keys, as in the live tree), or None if it was not saved.
 
     Raises:
         MomentumLayoutError: a table's column split differs and ``obj`` is not a Convert.
@@ -231,8 +230,7 @@ def prepare_restore(obj: Any, path: str, saved_shapes: Mapping[str, tuple[int, .
     for fqn, entries in live.tree["state"].items():
         bounds = live.tree["columns"].get(fqn)
         for name, target in list(entries.items()):
-            key = "/".join(key_part(p) for p in ("state", fqn, name))
-            saved = saved_shapes.get(f"{path}/{key}" if path else key)
+            saved = saved_shape(("state", fqn, name))
             if (bounds is None or not isinstance(target, Shard) or saved is None or len(saved) != 2
                     or saved == target.global_shape or saved[0] != target.global_shape[0]):
                 continue  # the same layout, or a mismatch that the restore reports as it is

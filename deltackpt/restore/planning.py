@@ -78,7 +78,11 @@ def _walk(live: Any, node: dict[str, Any], path: str, m: Manifest, plan: Restore
     where = path or "<root>"
     adapter = statetree.integration(live)
     if adapter is not None:
-        view, finish = adapter.prepare_restore(live, path, {k: r.shape for k, r in m.tensors.items()})
+        def saved_shape(keys: tuple[str, ...]) -> tuple[int, ...] | None:
+            rec = m.tensors.get("/".join([*([path] if path else []), *map(statetree.key_part, keys)]))
+            return None if rec is None else rec.shape
+
+        view, finish = adapter.prepare_restore(live, saved_shape)
         _walk(view.tree, node, path, m, plan, missing, unexpected)
         plan.steps.append(lambda ts: finish())
         return

@@ -17,7 +17,7 @@ import deltackpt
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Names the README writes in backticks that belong to other projects.
-FOREIGN = {"EmbeddingBagCollection", "Replicate"}
+FOREIGN = {"EmbeddingBagCollection", "Replicate", "DistributedModelParallel", "ModelDeltaTracker"}
 
 
 def modules() -> dict[str, pathlib.Path]:
