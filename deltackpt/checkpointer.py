@@ -45,6 +45,7 @@ from .io.reader import ChainReader
 from .io.staging import StagingPool
 from .ops.compaction import CompactInfo, compact
 from .ops.gc import GCReport, Retention, collect
+from .ops.lease import DEFAULT_TTL
 from .ops.verify import VerifyReport, verify
 from .policy import BasePolicy, ChainState, EveryK
 from .quantization import QuantizePlan, Rule
@@ -85,8 +86,9 @@ class Checkpointer:
             and its hashing share them); default ``torch.get_num_threads()``, so a save on a
             busy node competes with training no more than torch itself does.
         create: create the store if absent; if False, a missing store raises StoreError.
-        take_over: take the writer lease even if another job holds it (after that job died);
-            by default a second writer fails with WriterConflictError at its first save.
+        take_over: take the writer lease found now at the first save, even if its holder looks
+            alive or it is unreadable; a dead holder's is taken anyway (:mod:`deltackpt.ops.lease`).
+        lease_ttl: seconds after which the lease of a writer that stopped renewing it is free.
         storage_options: settings for the backend ``path`` names (see
             :func:`~deltackpt.storage.open_storage`).
         quantize: opt-in lossy deltas, ``{fnmatch pattern: Rowwise(...)}`` (:mod:`.quantization`).
@@ -117,6 +119,7 @@ class Checkpointer:
         threads: int | None = None,
         create: bool = True,
         take_over: bool = False,
+        lease_ttl: float = DEFAULT_TTL,
         storage_options: Mapping[str, Any] | None = None,
         quantize: Mapping[str, Rule] | None = None,
     ):
@@ -144,7 +147,8 @@ class Checkpointer:
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="deltackpt-io")
         self._tracker = ChangeTracker(dense_chunk_bytes, Hasher(self._executor, workers))
         self._saver = Saver(self.store, self._coll, self.policy, self._tracker, self._pool,
-                            self._executor, self._sizes, self._quantize, take_over=take_over)
+                            self._executor, self._sizes, self._quantize, take_over=take_over,
+                            lease_ttl=lease_ttl)
         self._background = Background()
         _warm_kernels()
 

@@ -137,6 +137,10 @@ class CheckpointAborted(DeltackptError):
         return (type(self), (self.failures,))
 
 
+class SettingError(DeltackptError, ValueError):
+    """An argument or option has a value the library cannot work with; the message names it."""
+
+
 class WriterConflictError(DeltackptError):
     """Another writer holds the store's lease (see :mod:`deltackpt.ops.lease`)."""
 
@@ -148,7 +152,7 @@ class HookClosedError(DeltackptError, RuntimeError):
 # Errors about the request itself rather than a rank's failure: the coordinator raises them the
 # same way on every rank (a restore of an unknown step is a StepNotFoundError everywhere).
 REQUEST_ERRORS = (StepNotFoundError, StepExistsError, StateError, BrokenChainError, ManifestError,
-                  WriterConflictError)
+                  WriterConflictError, SettingError)
 
 
 class ConvertError(DeltackptError, ValueError):

@@ -164,6 +164,25 @@ class Store:
             self._manifests[manifest.step] = manifest
         return done
 
+    def holds(self, step: int, attempt: str) -> bool:
+        """Whether the store holds now (read afresh, not from the cache) the record of ``step``
+        saved as ``attempt``, or a base that compaction made of it as ``attempt``. Only the two
+        fields are looked at: readers check the rest of the record when they use it."""
+        for key in (commit_key(step), base_key(step)):
+            try:
+                doc = json.loads(self.storage.read(key))
+            except (FileNotFoundError, ValueError, RecursionError):
+                continue
+            if isinstance(doc, dict) and doc.get("step") == step and doc.get("attempt") == attempt:
+                return True
+        return False
+
+    def withdraw(self, step: int) -> None:
+        """Removes the record of ``step`` that this process just committed."""
+        self._manifests.pop(step, None)
+        self.storage.delete(commit_key(step))
+        self.storage.sync_folders([COMMITS])
+
     def forget(self) -> None:
         """Drops cached records (after records were deleted)."""
         self._manifests.clear()

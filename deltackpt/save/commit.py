@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..errors import StateError, StepExistsError
+from ..errors import StateError, StepExistsError, WriterConflictError
 from ..format.encodings import Encoding
-from ..format.layout import pack_name
+from ..format.layout import commit_key, pack_name
 from ..format.lossy import Lossy
 from ..format.manifest import (
     FORMAT,
@@ -17,8 +17,9 @@ from ..format.manifest import (
     PartRecord,
     TensorRecord,
 )
-from ..ops.lease import Lease
-from ..ops.lease import check as check_lease
+from ..ops.gc import holder_chain
+from ..ops.lease import Holding
+from ..ops.lease import read as read_lease
 from ..store import Store
 from ..quantization import Rowwise
 from .decide import itemsize, part_chunk_shape, tensor_bytes
@@ -95,13 +96,15 @@ def lossy_record(kind: Kind, key: str, head: Manifest | None, rule: Rowwise | No
 
 
 def commit(store: Store, save: SavePlan, results: list[WriteResult], *, head: Manifest | None,
-           world_size: int, policy: str, sizes: tuple[int, int], lease: Lease | None,
-           restores: int | None = None) -> Manifest:
-    """Coordinator: the commit record from every rank's files, created only if absent, while
-    ``lease`` still holds.
+           world_size: int, policy: str, sizes: tuple[int, int], lease: Holding | None,
+           restores: int | None = None) -> Manifest | None:
+    """Coordinator: the commit record from every rank's files, created only if absent while
+    ``lease`` holds, and kept only if ``lease`` still holds and the parent is still there once
+    the record exists. None when the parent was gone (nothing is committed then).
 
     Raises:
-        WriterConflictError: another writer took the lease over.
+        WriterConflictError: another writer took the lease over (the record is withdrawn unless
+            the new holder builds on it, see :func:`withdraw`).
         StepExistsError: another writer committed the step meanwhile.
     """
     manifest = build_manifest(
@@ -110,7 +113,37 @@ def commit(store: Store, save: SavePlan, results: list[WriteResult], *, head: Ma
         restores=restores)
     if lease is None:
         raise StepExistsError(f"step {save.step}: the coordinator holds no writer lease")
-    check_lease(store, lease)
+    lease.check()
     if not store.commit(manifest):
+        lease.check()
         raise StepExistsError(f"step {save.step} was committed by another writer meanwhile")
+    try:
+        lease.check()
+    except WriterConflictError:
+        withdraw(store, manifest)
+        raise
+    if (manifest.parent is not None and manifest.parent_attempt is not None
+            and not store.holds(manifest.parent, manifest.parent_attempt)):
+        store.withdraw(manifest.step)  # the parent went after decide looked (a fenced writer's)
+        return None
     return manifest
+
+
+def withdraw(store: Store, manifest: Manifest) -> None:
+    """Removes the record of a writer that was taken over between its lease checks, unless the
+    new holder builds on it. The new holder publishes its head before it checks that the head
+    exists; this reads the lease before and after removing the record, and puts the record back
+    if the new holder's chain took it in meanwhile."""
+    key = commit_key(manifest.step)
+    mine = {key: manifest.to_json()}  # read from here once removed
+
+    def built_on() -> bool:
+        holder = read_lease(store.storage)[1]
+        return holder is not None and manifest.attempt in {
+            m.attempt for m in holder_chain(store, holder, mine)}
+
+    if built_on():
+        return
+    store.withdraw(manifest.step)
+    if built_on():
+        store.storage.put_if_absent(key, mine[key])

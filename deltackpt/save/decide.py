@@ -11,20 +11,30 @@ from ..format import dtypes
 from ..format.encodings import Encoding, chunk_shape, qrows_chunk_shape
 from ..format.manifest import Manifest
 from ..kernels import rowwise
+from ..ops.lease import Holding
 from ..policy import BasePolicy, ChainState
 from ..quantization import Choice, Rowwise
+from ..store import Store
 from .planner import GlobalPlan, TensorPlan
 from .scan import PartScan
 from .types import Kind, SavePlan
 
 
 def decide(policy: BasePolicy, head: Manifest | None, chain: ChainState, plan: GlobalPlan,
-           scans: list[PartScan], *, step: int, attempt: str,
+           scans: list[PartScan], *, step: int, attempt: str, store: Store, lease: Holding,
            quantize: Mapping[str, Choice] | None = None) -> SavePlan:
     """Base or delta by the policy, why, and the rows or chunks each part will hold; a delta
-    quantizes the tensors ``quantize`` names."""
+    quantizes the tensors ``quantize`` names.
+
+    First the lease names ``head`` and ``attempt`` (GC keeps both from then on, see
+    :mod:`deltackpt.ops.gc`); then a head that is gone from the store (removed by GC before, or
+    withdrawn by a writer that lost the lease) makes the save a base."""
+    lease.publish(None if head is None else (head.step, head.attempt), attempt)
     kind: Kind
-    if head is None:
+    if head is not None and not store.holds(head.step, head.attempt):
+        kind, reason = Kind.BASE, (f"step {head.step}, which the delta would apply to, is gone "
+                                   "(removed by gc, or withdrawn by a writer that lost the lease)")
+    elif head is None:
         kind, reason = Kind.BASE, "no earlier step saved or restored by this checkpointer"
     elif not all(s.complete for s in scans):
         kind, reason = Kind.BASE, "a tensor is new, or its dtype, shape or layout changed"

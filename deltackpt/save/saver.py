@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..collectives import Collective
+from ..errors import BrokenChainError
 from ..format.layout import STEPS
 from ..format.manifest import Manifest
 from ..io.staging import StagingPool
@@ -50,12 +51,13 @@ class Saver:
         executor: the I/O threads.
         sizes: ``(chunk_bytes, dense_chunk_bytes)``.
         quantize: the lossy-delta rules and the restores made.
-        take_over: take the writer lease even if another job holds it.
+        take_over: take the lease found now even if its holder looks alive or it is unreadable.
+        lease_ttl: seconds without a renewal after which this writer's lease is free.
     """
 
     def __init__(self, store: Store, coll: Collective, policy: BasePolicy, tracker: ChangeTracker,
                  pool: StagingPool, executor: Executor, sizes: tuple[int, int], quantize: QuantizePlan,
-                 *, take_over: bool):
+                 *, take_over: bool, lease_ttl: float):
         self.store = store
         self._coll = coll
         self.policy = policy
@@ -64,12 +66,11 @@ class Saver:
         self._executor = executor
         self._sizes = sizes
         self._quantize = quantize
-        self._take_over = take_over
         self._head: Manifest | None = None  # the step the next delta applies to
         self._chain = ChainState(0, 0, 0)
         self._sent_digest: str | None = None  # this rank's last local plan, as sent
         self._planner = GlobalPlanner(coll.size)
-        self._lease: lease.Lease | None = None  # coordinator: held from the first save on
+        self._lease = lease.Claim(store.storage, ttl=lease_ttl, take_over=take_over)
 
     def stage(self, step: int, state: Mapping[str, Any], t0: float
               ) -> Callable[[float | None], SaveInfo]:
@@ -83,8 +84,8 @@ class Saver:
         scans, changes = self._coll.each("scan", lambda: scan(self._tracker, items, self._quantize))
         save = self._coll.one("decide", lambda: decide(
             self.policy, self._head, self._chain, plan, [s for per_rank in scans for s in per_rank],
-            step=step, attempt=self.store.new_attempt(step),
-            quantize=self._quantize.choices(plan.tensors)))
+            step=step, attempt=self.store.new_attempt(step), store=self.store,
+            lease=self._lease.hold(), quantize=self._quantize.choices(plan.tensors)))
         writers = [open_writer(storage, save, self._coll.rank, self._pool, self._executor)]
         if self._coll.is_coordinator:
             writers.append(StepWriter(storage, f"{STEPS}/{save.attempt}", self._pool, self._executor))
@@ -107,7 +108,12 @@ class Saver:
         results, _ = self._coll.each("write", lambda: (write(storage, writers), None))
         manifest = self._coll.one("commit", lambda: commit(
             self.store, save, results, head=self._head, world_size=self._coll.size, sizes=self._sizes,
-            policy=self.policy.name, lease=self._lease, restores=self._quantize.recorded_restores))
+            policy=self.policy.name, lease=self._lease.holding, restores=self._quantize.recorded_restores))
+        if manifest is None:  # withdrawn: its parent went after decide looked (a fenced writer's)
+            parent, self._head = self._head, None
+            raise BrokenChainError(save.step, parent.step if parent is not None else -1,
+                                   "the step it applied to vanished during the save; nothing was "
+                                   "committed and the next save writes a base")
         self._advance(save.kind, manifest, tensors, staged)
         rows = sum(r.changed for r in manifest.tensors.values() if len(r.shape) >= 2)
         seconds = time.perf_counter() - t0
@@ -151,9 +157,8 @@ class Saver:
 
     def _admit(self, step: int) -> None:
         """Coordinator: ``step`` may be saved, and this checkpointer holds the writer lease."""
+        self._lease.hold()  # first: of writers racing for one step, each loser learns the winner
         self.store.check_new_step(step)
-        if self._lease is None:
-            self._lease = lease.acquire(self.store, lease.holder_id(), take_over=self._take_over)
 
     def restored(self, head: Manifest, chain: ChainState) -> None:
         """After a restore: the next delta applies to ``head``."""
@@ -161,6 +166,4 @@ class Saver:
         self._chain = chain
 
     def release_lease(self) -> None:
-        if self._lease is not None:
-            lease.release(self.store, self._lease)
-            self._lease = None
+        self._lease.release()

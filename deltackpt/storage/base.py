@@ -11,7 +11,7 @@ makes the ones written so far durable; removals become durable with
 
 Before each durable step a backend calls its :attr:`Storage.on_point` hook, if one is set, with
 the step's phase name (``write_chunk``, ``fsync``, ``write_manifest_tmp``, ``rename_manifest``,
-``fsync_dir``, ``gc_delete``) and key; saves and compaction announce their own phases through
+``fsync_dir``, ``gc_delete``, ``swap``) and key; saves and compaction announce their own phases through
 :meth:`Storage.point` (``plan_local``, ``plan_global``, ``compact_commit``). Tests inject faults
 there with :class:`~deltackpt.storage.faults.FaultInjection`.
 """
@@ -79,6 +79,14 @@ class Storage(Protocol):
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Durably creates ``key`` with ``data`` unless it exists; returns whether it did."""
+
+    def swap(self, key: str, expected: bytes | None, new: bytes | None) -> bool:
+        """Replaces object ``key`` by ``new`` (None: removes it) if it holds exactly ``expected``
+        (None: if it is absent), as one atomic compare-and-swap; returns whether it did (if not,
+        nothing changed). Every process sees the change once it returns; after a power cut the
+        object may hold the bytes before it, never a mix. Meant for small objects that only live
+        processes act on (the writer lease): object stores implement it with a conditional put
+        or delete on the object's ETag."""
 
     def delete(self, key: str) -> None:
         """Removes object ``key`` if present."""

@@ -47,6 +47,39 @@ class StorageConformance:
         assert storage.read("commits/00000000000000000001.json") == f"writer {won[0]}".encode()
         assert storage.list("commits") == ["00000000000000000001.json"]
 
+    def test_swap_replaces_only_what_it_expects(self, tmp_path: Path) -> None:
+        storage = self.make_storage(tmp_path)
+        assert not storage.swap("writer.lease", b"a", b"b")  # absent, but "a" expected
+        assert storage.size("writer.lease") is None
+        assert storage.swap("writer.lease", None, b"a")
+        assert not storage.swap("writer.lease", None, b"b")  # present, absence expected
+        assert not storage.swap("writer.lease", b"x", b"b")
+        assert storage.read("writer.lease") == b"a"
+        assert storage.swap("writer.lease", b"a", b"bb")
+        assert storage.read("writer.lease") == b"bb"
+        assert not storage.swap("writer.lease", b"a", None)
+        assert storage.swap("writer.lease", b"bb", None)
+        assert storage.size("writer.lease") is None
+
+    def test_swap_loses_no_update_among_8_threads(self, tmp_path: Path) -> None:
+        storage = self.make_storage(tmp_path)
+        storage.swap("writer.lease", None, b"0")
+        start = threading.Barrier(8)
+
+        def count_up() -> None:
+            start.wait()
+            done = 0
+            while done < 25:
+                seen = storage.read("writer.lease")
+                done += storage.swap("writer.lease", seen, str(int(seen) + 1).encode())
+
+        threads = [threading.Thread(target=count_up) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert storage.read("writer.lease") == b"200"
+
     def test_write_read_size_list(self, tmp_path: Path) -> None:
         storage = self.make_storage(tmp_path)
         storage.write("steps/7-a/t/c.0", [memoryview(b"hello "), memoryview(b"world")])

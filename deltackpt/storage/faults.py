@@ -64,6 +64,9 @@ class FaultInjection:
     def put_if_absent(self, key: str, data: bytes) -> bool:
         return self.inner.put_if_absent(key, data)
 
+    def swap(self, key: str, expected: bytes | None, new: bytes | None) -> bool:
+        return self.inner.swap(key, expected, new)
+
     def delete(self, key: str) -> None:
         self.inner.delete(key)
 

@@ -247,6 +247,42 @@ class LocalStorage:
         except OSError as e:
             raise _store_error(e, path) from e
 
+    def swap(self, key: str, expected: bytes | None, new: bytes | None) -> bool:
+        # Writers of ``key`` serialize on an advisory lock of a file beside it; readers need
+        # none: they see the old or the new file (rename is atomic). The kernel drops the lock
+        # of a process that dies, so a killed writer never leaves ``key`` locked. The folder is
+        # not synced: after a power cut the object holds the old or the new bytes, both whole.
+        path = self._path(key)
+        folder = os.path.dirname(path)
+        name = os.path.basename(path)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            fd = os.open(os.path.join(folder, f".{name}.lock"),
+                         os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                try:
+                    current: bytes | None = self.read(key)
+                except FileNotFoundError:
+                    current = None
+                if current != expected:
+                    return False
+                self.point("swap", key)
+                if new is None:
+                    os.unlink(path)
+                else:
+                    tmp = os.path.join(folder, f".{name}.{uuid.uuid4().hex}.tmp")
+                    with open(tmp, "xb") as f:
+                        f.write(new)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, path)
+                return True
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise _store_error(e, path) from e
+
     def delete(self, key: str) -> None:
         self.point("gc_delete", key)
         try:

@@ -102,6 +102,19 @@ class MemoryStorage:
             self._objects[key] = self._durable[key] = (bytes(data), time.time())
             return True
 
+    def swap(self, key: str, expected: bytes | None, new: bytes | None) -> bool:
+        with self._lock:
+            found = self._objects.get(key)
+            if (None if found is None else found[0]) != expected:
+                return False
+            self.point("swap", key)
+            if new is None:
+                self._objects.pop(key, None)
+                self._durable.pop(key, None)
+            else:
+                self._objects[key] = self._durable[key] = (bytes(new), time.time())
+            return True
+
     def delete(self, key: str) -> None:
         self.point("gc_delete", key)
         with self._lock:

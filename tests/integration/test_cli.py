@@ -74,6 +74,9 @@ def test_verify_ok_and_json(store, capsys):
         (["restore", "{store}", "--step", "99", "--out", "{tmp}/x.pt"], "step 99 is not committed"),
         (["verify", "{store}", "--step", "5"], "step 5 is not committed"),
         (["show", "{store}", "20"], "not valid JSON"),
+        (["gc", "{store}", "--grace", "nan"], "grace_seconds must be a finite number >= 0, got nan"),
+        (["gc", "{store}", "--grace=-1"], "grace_seconds must be a finite number >= 0, got -1.0"),
+        (["gc", "{store}", "--grace", "inf"], "grace_seconds must be a finite number >= 0, got inf"),
     ],
 )
 def test_bad_input_is_one_line(store, tmp_path, capsys, argv, message):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -50,9 +52,15 @@ class Regressor(nn.Module):
 # -- Lightning ----------------------------------------------------------------------------------
 
 
-def fit_lightning(path, max_steps, *, resume=False, seed=0, accumulate=1):
+def fit_lightning(path, max_steps, *, resume=False, seed=0, accumulate=1, kill_at=None):
     pl = pytest.importorskip("lightning.pytorch")
     from deltackpt.integrations.lightning import DeltackptCallback
+
+    class Kill(pl.Callback):
+        # After the deltackpt callback: the job dies right after its save at ``kill_at``.
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
 
     class Module(pl.LightningModule):
         def __init__(self):
@@ -75,7 +83,7 @@ def fit_lightning(path, max_steps, *, resume=False, seed=0, accumulate=1):
     with deterministic(seed):
         module = Module()
         callback = DeltackptCallback(path, every=4, resume=resume)
-        trainer = pl.Trainer(max_steps=max_steps, callbacks=[callback],
+        trainer = pl.Trainer(max_steps=max_steps, callbacks=[callback, Kill()],
                              accumulate_grad_batches=accumulate, accelerator="cpu", logger=False,
                              enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False)
@@ -131,8 +139,13 @@ class HFRegressor(Regressor):
         return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
 
 
-def train_hf(transformers, path, max_steps, *, resume=False, spy=None):
+def train_hf(transformers, path, max_steps, *, resume=False, spy=None, kill_at=None):
     from deltackpt.integrations.huggingface import DeltackptTrainerCallback
+
+    class Kill(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
 
     callback = DeltackptTrainerCallback(path, every=2, resume=resume)
     args = transformers.TrainingArguments(
@@ -143,7 +156,7 @@ def train_hf(transformers, path, max_steps, *, resume=False, spy=None):
     with deterministic(0):
         model = HFRegressor()
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
-                                       callbacks=[callback] + ([spy] if spy else []))
+                                       callbacks=[callback, Kill()] + ([spy] if spy else []))
         trainer.train()
     return model, trainer, callback
 
@@ -177,4 +190,41 @@ def test_huggingface_resume_restores_the_state_when_training_begins(transformers
     assert_same_state(seen["model"], want["model"])
     assert_same_state(seen["optim"], want["optim"]["0"]["state"])
     assert trainer.state.global_step == 8
+    assert committed(store_path) == [2, 4, 6, 8]
+
+
+# -- a job killed (kill -9) and restarted ---------------------------------------------------------
+
+
+def killed_job(call: str, tmp_path) -> None:
+    """Runs ``call`` (an expression over this module's functions) in a fresh interpreter that
+    kills itself with SIGKILL inside it, leaving its lease and no close() behind."""
+    here = Path(__file__).resolve()
+    code = ("import importlib.util, sys\n"
+            f"sys.path[:0] = [{str(here.parents[1])!r}]\n"
+            f"spec = importlib.util.spec_from_file_location('job', {str(here)!r})\n"
+            "job = importlib.util.module_from_spec(spec); spec.loader.exec_module(job)\n"
+            f"job.{call}\n")
+    # Run from elsewhere: the repository root holds a top-level ``datasets`` folder.
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, timeout=600)
+    assert done.returncode == -signal.SIGKILL
+
+
+def test_lightning_job_killed_and_restarted_goes_on_saving(store_path, tmp_path):
+    pytest.importorskip("lightning.pytorch")
+    module, trainer, _ = fit_lightning(tmp_path / "uninterrupted", 16)
+    want = lightning_state(module, trainer)
+    killed_job(f"fit_lightning({str(store_path)!r}, 16, kill_at=8)", tmp_path)
+    assert committed(store_path) == [4, 8]
+    module2, trainer2, callback2 = fit_lightning(store_path, 16, resume=True, seed=1)
+    assert callback2.restored_step == 8
+    assert committed(store_path) == [4, 8, 12, 16]
+    assert_same_state(lightning_state(module2, trainer2), want)
+
+
+def test_huggingface_job_killed_and_restarted_goes_on_saving(transformers, store_path, tmp_path):
+    killed_job(f"train_hf(__import__('transformers'), {str(store_path)!r}, 8, kill_at=4)", tmp_path)
+    assert committed(store_path) == [2, 4]
+    _, trainer, callback = train_hf(transformers, store_path, 8, resume=True)
+    assert callback.restored_step == 4 and trainer.state.global_step == 8
     assert committed(store_path) == [2, 4, 6, 8]

@@ -22,6 +22,7 @@ from deltackpt.examples import (
 )
 from deltackpt.hooks import CheckpointHook
 from deltackpt.save.pending import SaveHandle
+import lease_procs
 
 # Train 8 steps saving every 2, a base every 4 saves whatever a delta costs (so the chain of
 # step 6 is the base at 2 and deltas at 4 and 6), restore 6.
@@ -120,3 +121,24 @@ def test_gpt_moe_resume_is_bit_exact(store_path, trainable_blocks):
         return gpt_run(TOKENS, GPT, trainable_blocks=trainable_blocks, seed=seed)
 
     check_resume(make, store_path, negative_control=trainable_blocks is None)
+
+
+def test_hook_job_killed_and_restarted_goes_on_saving(store_path, tmp_path):
+    shapes = {"sparse_optimizer": "adagrad", "embedding_dim": 8, "bottom_mlp": (16, 8), "top_mlp": (16,)}
+
+    def make(seed: int):
+        return dlrm_run(DATA, seed=seed, **shapes)
+
+    _, want_n = uninterrupted(make, tmp_path / "uninterrupted")
+    job = lease_procs.context().Process(target=lease_procs.hook_job_killed,
+                                        args=(str(store_path), M, K, DATA, shapes))
+    job.start()
+    job.join(300)
+    assert job.exitcode == -9  # killed: its lease is left behind, never released
+    with deterministic(1):  # the restarted job: no take_over, no manual step
+        state, loss = make(1)
+        with CheckpointHook(str(store_path), state, every=K) as hook:
+            assert hook.restore() == M
+            train(state, loss, N, hook=hook)
+            assert hook.checkpointer.steps() == list(range(K, N + 1, K))
+    assert_same_state(snapshot(state), want_n)

@@ -82,4 +82,6 @@ def test_a_delta_save_flushes_only_its_own_files_and_folders(tmp_path, flushed):
     assert own_files and own_files <= set(flushed)  # every file of the step
     for path in flushed:
         assert (path in own_files or path in own_folders or path in (f"{root}/steps", f"{root}/commits")
-                or os.path.dirname(path) == f"{root}/commits" and path.endswith(".tmp")), path
+                or os.path.dirname(path) == f"{root}/commits" and path.endswith(".tmp")
+                # the writer lease naming the save's head and attempt (its temp file, renamed)
+                or path.startswith(f"{root}/.writer.lease.") and path.endswith(".tmp")), path

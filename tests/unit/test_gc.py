@@ -8,7 +8,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deltackpt import Checkpointer
+import pytest
+
+from deltackpt import Checkpointer, SettingError
 from deltackpt.ops.gc import Retention
 from helpers import assert_same_state
 
@@ -61,3 +63,12 @@ def test_gc_keeps_every_retained_step(tmp_path_factory, history, keep_last, keep
         needed = {(m.compacts is not None, m.step) for s in retained for m in fresh.store.chain(s)}
         left = {(False, s) for s in fresh.steps()} | {(True, s) for s in fresh.store.compacted_steps()}
         assert left <= needed | {(False, s) for s in retained}
+
+
+@pytest.mark.parametrize("grace", [-1, -0.5, float("nan"), float("inf"), float("-inf"), "10", True])
+def test_grace_must_be_a_finite_non_negative_number(store_path, grace):
+    with Checkpointer(store_path) as ckpt:
+        ckpt.save(1, {"t": torch.zeros(3)})
+        with pytest.raises(SettingError, match=f"grace_seconds must be a finite number >= 0, got {grace!r}"):
+            ckpt.gc(Retention(keep_last=1), grace_seconds=grace)
+        assert ckpt.steps() == [1]

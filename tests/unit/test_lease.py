@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 import torch
 
-from deltackpt import Checkpointer
+from deltackpt import Checkpointer, SettingError
 from deltackpt.errors import WriterConflictError
+from deltackpt.ops import lease
 
 
 def test_second_writer_fails_fast_naming_the_holder(store_path):
@@ -41,3 +43,34 @@ def test_take_over_fences_the_old_writer(store_path):
     old.close()  # does not drop the new holder's lease: it is gone with new.close()
     with Checkpointer(store_path) as third:
         third.save(4, {"t": torch.zeros(3)})
+
+
+@pytest.mark.parametrize("ttl", [0, -1, float("nan"), float("inf"), "30", True])
+def test_lease_ttl_must_be_a_positive_finite_number(store_path, ttl):
+    with pytest.raises(SettingError, match=f"positive finite number of seconds, got {ttl!r}"):
+        Checkpointer(store_path, lease_ttl=ttl)
+
+
+def test_holder_renews_its_lease_and_releases_it(store_path):
+    with Checkpointer(store_path, lease_ttl=0.3) as ckpt:
+        ckpt.save(1, {"t": torch.zeros(3)})
+        first = lease.read(ckpt.store.storage)[1]
+        time.sleep(0.5)
+        later = lease.read(ckpt.store.storage)[1]
+        assert later.holder == first.holder and later.epoch == first.epoch
+        assert later.renewed > first.renewed
+        assert time.time() - later.renewed < 0.3  # never expired
+        ckpt.save(2, {"t": torch.ones(3)})  # still the holder
+    assert lease.read(ckpt.store.storage) == (None, None)
+
+
+def test_lease_names_the_head_and_the_save_in_flight(store_path):
+    with Checkpointer(store_path) as ckpt:
+        ckpt.save(1, {"t": torch.zeros(3)})
+        after_first = lease.read(ckpt.store.storage)[1]
+        assert after_first.head is None
+        assert after_first.attempt == ckpt.store.manifest(1).attempt
+        ckpt.save(2, {"t": torch.ones(3)})
+        now = lease.read(ckpt.store.storage)[1]
+        assert now.head == (1, ckpt.store.manifest(1).attempt)
+        assert now.attempt == ckpt.store.manifest(2).attempt
