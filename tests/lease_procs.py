@@ -97,7 +97,7 @@ def race_save(path: str, barrier: Any, step: int, out: str) -> None:
         ckpt.restore(state_at(latest), latest)
         barrier.wait()
         ckpt.save(step, state_at(step))
-        holder = ckpt._lease.holding.lease.holder
+        holder = lease.read(ckpt.store.storage)[1].holder
         ckpt.close()
         return holder
 

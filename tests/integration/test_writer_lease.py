@@ -203,7 +203,7 @@ def test_lease_of_a_dead_job_elsewhere_frees_after_its_ttl(tmp_path):
     with Checkpointer(path, **lease_procs.SMALL) as ckpt:
         ckpt.restore(state_at(1))
         ckpt.save(2, state_at(2))
-        assert ckpt._lease.holding.lease.epoch == 4
+        assert lease.read(ckpt.store.storage)[1].epoch == 4
     assert time.monotonic() - t0 >= 1.0  # watched one ttl: no renewal came
     stale = lease.Lease("elsewhere:4242:abcd", 7, now - 100, now - 60, 30.0)
     Path(path, "writer.lease").write_bytes(stale.to_json())
@@ -236,7 +236,7 @@ def test_garbage_lease_is_replaced_only_with_take_over(tmp_path):
         with Checkpointer(path, take_over=True, **lease_procs.SMALL) as ckpt:
             ckpt.restore(state_at(1))
             ckpt.save(2, state_at(2))
-            assert ckpt._lease.holding.lease.epoch == 1
+            assert lease.read(ckpt.store.storage)[1].epoch == 1
         with Checkpointer(path, create=False) as ckpt:
             assert ckpt.steps() == [1, 2]
         os.remove(Path(path, "commits", f"{2:020d}.json"))
