@@ -60,6 +60,7 @@ def fit_lightning(path, max_steps, *, resume=False, seed=0, accumulate=1, kill_a
         # After the deltackpt callback: the job dies right after its save at ``kill_at``.
         def on_train_batch_end(self, trainer, *args):
             if trainer.global_step == kill_at:
+                callback.hook.checkpointer.wait()  # its save at kill_at commits (in the background)
                 os.kill(os.getpid(), signal.SIGKILL)
 
     class Module(pl.LightningModule):
@@ -145,6 +146,7 @@ def train_hf(transformers, path, max_steps, *, resume=False, spy=None, kill_at=N
     class Kill(transformers.TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == kill_at:
+                callback.hook.checkpointer.wait()
                 os.kill(os.getpid(), signal.SIGKILL)
 
     callback = DeltackptTrainerCallback(path, every=2, resume=resume)
