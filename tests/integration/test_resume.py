@@ -140,5 +140,6 @@ def test_hook_job_killed_and_restarted_goes_on_saving(store_path, tmp_path):
         with CheckpointHook(str(store_path), state, every=K) as hook:
             assert hook.restore() == M
             train(state, loss, N, hook=hook)
+            hook.checkpointer.wait()
             assert hook.checkpointer.steps() == list(range(K, N + 1, K))
     assert_same_state(snapshot(state), want_n)
