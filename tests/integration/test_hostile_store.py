@@ -1,0 +1,351 @@
+"""A store on disk is untrusted input: hostile records and layouts, built here from the format
+documentation, must never make a read, verify or gc touch anything outside the store, allocate
+beyond what the store's real files justify, or hang; each fails with a typed one-line error."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from hostile import (chunk_file, cli, one_line_error, python, read_record, record_path, set_chunk,
+                     snapshot, write_record)
+from numcodecs import Blosc
+
+from deltackpt import (Checkpointer, DeltackptError, LocalStorage, ManifestError, Retention,
+                       StateError, StoreError)
+
+ROWS = 64
+
+
+def state(step: int) -> dict:
+    gen = torch.Generator().manual_seed(step)
+    return {
+        "table": torch.randn(ROWS, 8, generator=gen),  # raw float chunks, 4 rows (128 B) each
+        "ids": torch.arange(ROWS * 4, dtype=torch.int64) * (step + 1),  # blosc-coded chunks
+        "dense": torch.randn(100, generator=gen),
+        "step": step,
+    }
+
+
+@pytest.fixture
+def store(tmp_path):
+    """A store with a base at step 0 and a delta at step 1, and a sibling folder outside it."""
+    root = tmp_path / "store"
+    with Checkpointer(root, chunk_bytes=128, memory_budget=1 << 16) as ckpt:
+        ckpt.save(0, state(0))
+        s = state(0)
+        s["table"][3] += 1
+        ckpt.save(1, s)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("must survive")
+    return root
+
+
+def outside_of(root):
+    return root.parent / "outside"
+
+
+# -- 1. paths outside the store ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["..", ".", "", "a\x00b", "zarr.json", "x" * 300])
+@pytest.mark.parametrize("nested", [False, True])
+def test_save_refuses_keys_that_are_no_file_name(tmp_path, bad, nested):
+    root = tmp_path / "store"
+    before = sorted(os.listdir(tmp_path))
+    t = torch.ones(4)
+    st = {"m": {bad: t}} if nested else {bad: t, "ok": t.clone()}
+    with Checkpointer(root) as ckpt:
+        with pytest.raises(StateError, match="key"):
+            ckpt.save(0, st)
+        assert ckpt.steps() == []
+    assert sorted(os.listdir(tmp_path)) == before
+    assert not list(root.glob("commits/*.json"))
+
+
+def _rename_tensor(doc: dict, old: str, new: str) -> None:
+    doc["tensors"][new] = doc["tensors"].pop(old)
+    text = json.dumps(doc["tree"]).replace(json.dumps({"tensor": old}), json.dumps({"tensor": new}))
+    doc["tree"] = json.loads(text)
+
+
+def test_record_keys_that_leave_the_store_are_refused(store):
+    doc = read_record(store, 0)
+    outside = outside_of(store)
+    # Make the escape work on a reader that trusts the key: the tensor's folder, copied outside.
+    shutil.copytree(store / "steps" / doc["attempt"] / "table", outside / "table")
+    _rename_tensor(doc, "table", "../../../outside/table")
+    write_record(store, 0, doc)
+    before = snapshot(outside)
+    with Checkpointer(store, create=False) as ckpt:
+        with pytest.raises(ManifestError, match="outside/table"):
+            ckpt.load(0)
+        report = ckpt.verify(0)
+        assert [p.kind for p in report.problems] == ["record"]
+    one_line_error(cli("restore", str(store), "--step", "0", "--out", str(store.parent / "o.pt")))
+    one_line_error(cli("compact", str(store), "--upto", "0"))
+    assert snapshot(outside) == before
+
+
+@pytest.mark.parametrize("name", ["c.0\x00", "", ".", "c.0/../../x", "zarr.json/x", "d.0"])
+def test_record_chunk_names_outside_the_grid_are_refused(store, name):
+    doc = read_record(store, 0)
+    chunks = doc["tensors"]["table"]["parts"][0]["chunks"]
+    chunks[name] = chunks.pop("c.1.0")
+    write_record(store, 0, doc)
+    with Checkpointer(store, create=False) as ckpt, pytest.raises(ManifestError):
+        ckpt.load(0)
+
+
+def test_storage_keeps_every_key_under_its_root(tmp_path):
+    storage = LocalStorage(tmp_path / "store")
+    for key in ("../x", "a/../../x", "/etc/passwd", "a//b", "a/./b", "a\x00b", ""):
+        with pytest.raises(StoreError):
+            storage.read(key)
+        with pytest.raises(StoreError):
+            storage.write(key, [memoryview(b"x")])
+    assert sorted(os.listdir(tmp_path)) == ["store"]
+
+
+# -- 2. links -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("folder", ["steps", "commits", "bases"])
+def test_gc_refuses_a_store_whose_layout_folder_is_a_link(store, folder):
+    outside = outside_of(store)
+    (store / "bases").mkdir(exist_ok=True)
+    target = outside / folder
+    shutil.copytree(store / folder, target)
+    (target / "stray.tmp").write_text("victim")
+    (target / ".tmp-victim").write_text("victim")
+    shutil.rmtree(store / folder)
+    os.symlink(target, store / folder)
+    before = snapshot(outside)
+    with Checkpointer(store, create=False) as ckpt, pytest.raises(StoreError, match=folder):
+        ckpt.gc(Retention(keep_last=1), grace_seconds=0)
+    one_line_error(cli("gc", str(store), "--keep-last", "1", "--grace", "0"))
+    assert snapshot(outside) == before
+
+
+def test_gc_removes_a_linked_entry_without_following_it(store):
+    outside = outside_of(store)
+    (outside / "victim").mkdir()
+    (outside / "victim" / "data").write_text("victim")
+    os.symlink(outside / "victim", store / "steps" / "9-aaaaaaaaaaaa")
+    os.symlink(outside / "keep.txt", store / "commits" / ".00000000000000000009.json.x.tmp")
+    before = snapshot(outside)
+    with Checkpointer(store, create=False) as ckpt:
+        report = ckpt.gc(Retention(keep_last=2), grace_seconds=0)
+    assert "steps/9-aaaaaaaaaaaa" in report.deleted
+    assert not os.path.lexists(store / "steps" / "9-aaaaaaaaaaaa")
+    assert snapshot(outside) == before
+
+
+def test_linked_records_and_chunks_are_not_read(store):
+    outside = outside_of(store)
+    doc = read_record(store, 0)
+    # A record that is a link to a valid record outside the store.
+    shutil.copy(record_path(store, 1), outside / "record.json")
+    record_path(store, 1).unlink()
+    os.symlink(outside / "record.json", record_path(store, 1))
+    # A chunk that is a link to a copy of itself outside.
+    chunk = chunk_file(store, doc, "table", "c.2.0")
+    shutil.copy(chunk, outside / "c.2.0")
+    chunk.unlink()
+    os.symlink(outside / "c.2.0", chunk)
+    with Checkpointer(store, create=False) as ckpt:
+        assert 1 not in ckpt.steps()
+        with pytest.raises(DeltackptError, match="c.2.0"):
+            ckpt.load(0)
+        report = ckpt.verify(0)
+        assert any("c.2.0" in p.key for p in report.problems)
+
+
+# -- 5. memory and time from numbers in a record ----------------------------------------------
+
+
+def test_huge_shape_with_tiny_chunks_is_refused_quickly(store):
+    doc = read_record(store, 0)
+    rec = doc["tensors"]["table"]
+    rec["shape"] = [1 << 40, 8]
+    rec["parts"][0]["shape"] = [1 << 40, 8]
+    rec["parts"][0]["chunk_shape"] = [1, 8]
+    write_record(store, 0, doc)
+    assert len(record_path(store, 0).read_bytes()) < 8000
+    line = one_line_error(cli("restore", str(store), "--step", "0", "--out", str(store.parent / "o.pt")))
+    assert "table" in line
+
+
+def test_huge_shape_with_few_chunks_allocates_nothing(store):
+    doc = read_record(store, 0)
+    rec = doc["tensors"]["table"]
+    rec["shape"] = [1 << 38, 8]  # 8 TiB of float32, in chunks of 1 << 36 rows
+    rec["parts"][0]["shape"] = [1 << 38, 8]
+    rec["parts"][0]["chunk_shape"] = [1 << 36, 8]
+    chunks = rec["parts"][0]["chunks"]
+    for i in range(4):
+        chunks[f"c.{i}.0"] = chunks.get(f"c.{i}.0", chunks["c.0.0"])
+    write_record(store, 0, doc)
+    one_line_error(cli("restore", str(store), "--step", "0", "--out", str(store.parent / "o.pt")))
+
+
+def _bomb(nbytes: int) -> bytes:
+    codec = Blosc(cname="lz4", clevel=5, shuffle=Blosc.SHUFFLE, typesize=8, blocksize=0)
+    return bytes(codec.encode(np.zeros(nbytes, np.uint8)))
+
+
+def test_blosc_bomb_with_a_matching_checksum_is_not_decompressed(store):
+    bomb = _bomb(1 << 30)  # 1 GiB of zeros in a few MB
+    assert len(bomb) < 8 << 20
+    set_chunk(store, 0, "ids", "c.0", bomb)
+    code = (
+        "import resource, sys\n"
+        "from deltackpt import Checkpointer, IntegrityError\n"
+        "ckpt = Checkpointer(sys.argv[1] if len(sys.argv) > 1 else %r, create=False)\n"
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "try:\n"
+        "    ckpt.load(0)\n"
+        "except IntegrityError as e:\n"
+        "    print('refused', e)\n"
+        "grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base\n"
+        "print('grew_kib', grew)\n"
+        "print('verify', [p.kind for p in ckpt.verify(0).problems])\n"
+    ) % str(store)
+    proc = python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout.splitlines()
+    assert out[0].startswith("refused") and "ids" in out[0], out
+    assert int(out[1].split()[1]) < 256 * 1024, out  # far less than the bomb's 1 GiB
+    assert out[2] == "verify ['corrupt']", out
+
+
+@pytest.mark.parametrize("where", ["record", "chunk"])
+def test_fifo_instead_of_a_file_does_not_hang(store, where):
+    doc = read_record(store, 0)
+    path = record_path(store, 1) if where == "record" else chunk_file(store, doc, "table", "c.1.0")
+    path.unlink()
+    os.mkfifo(path)
+    proc = cli("ls", str(store), "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["step"]: r for r in json.loads(proc.stdout)}
+    assert rows[0]["kind"] == "base"
+    assert 1 not in rows or rows[1]["kind"] == "unreadable"
+    if where == "chunk":
+        one_line_error(cli("restore", str(store), "--step", "0", "--out", str(store.parent / "o.pt")))
+        proc = cli("verify", str(store), "--json")
+        assert proc.returncode == 1
+        assert any("c.1" in p["key"] for p in json.loads(proc.stdout)["problems"])
+
+
+def test_endless_device_as_record_or_chunk_is_refused(store):
+    doc = read_record(store, 0)
+    chunk = chunk_file(store, doc, "table", "c.1.0")
+    chunk.unlink()
+    os.symlink("/dev/zero", chunk)
+    record_path(store, 1).unlink()
+    os.symlink("/dev/zero", record_path(store, 1))
+    proc = cli("ls", str(store), "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    one_line_error(cli("restore", str(store), "--step", "0", "--out", str(store.parent / "o.pt")))
+
+
+def test_records_larger_than_the_cap_are_refused_unread(store):
+    from deltackpt.limits import MAX_RECORD_BYTES
+
+    path = record_path(store, 1)
+    with open(path, "r+b") as f:
+        f.truncate(MAX_RECORD_BYTES + 1)  # sparse: no disk space, no memory
+    proc = cli("ls", str(store), "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["step"]: r for r in json.loads(proc.stdout)}
+    assert rows[1]["kind"] == "unreadable" and "too large" in rows[1]["error"]
+
+
+# -- 8. listing and verify ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["\u0669" * 20 + ".json", "99999999999999999999.json",
+                                  "09223372036854775807.json"])
+def test_stray_entries_in_commits_are_no_steps(store, name):
+    stray = store / "commits" / name
+    if name.startswith("0"):
+        stray.mkdir()  # a folder named as a record
+    else:
+        stray.write_text("{}")
+    with Checkpointer(store, create=False) as ckpt:
+        assert ckpt.steps() == [0, 1]
+        ckpt.restore(s := state(1), 1)
+        ckpt.save(2, s)
+        assert ckpt.latest_step() == 2
+
+
+def test_ls_goes_on_past_an_unreadable_record(store):
+    record_path(store, 1).unlink()
+    record_path(store, 1).mkdir()  # reading it fails with EISDIR
+    with Checkpointer(store, create=False) as ckpt:
+        ckpt.restore(s := state(0), 0)
+        s["table"][0] += 1
+        ckpt.save(2, s)
+    proc = cli("ls", str(store), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert [r["step"] for r in json.loads(proc.stdout) if r["kind"] != "unreadable"] == [0, 2]
+
+
+def test_duplicate_json_keys_are_refused(store):
+    text = record_path(store, 1).read_text()
+    assert text.endswith("}")
+    write_record(store, 1, text[:-1] + ',"step":1}')
+    with Checkpointer(store, create=False) as ckpt, pytest.raises(ManifestError, match="step"):
+        ckpt.load(1)
+
+
+@pytest.mark.parametrize("data", [b"", b"\x00" * 64], ids=["zero-size", "short"])
+def test_verify_fails_what_restore_rejects(store, data):
+    set_chunk(store, 0, "table", "c.1.0", data)
+    with Checkpointer(store, create=False) as ckpt:
+        with pytest.raises(DeltackptError):
+            ckpt.load(0)
+        assert not ckpt.verify(0).ok
+
+
+class _FailingReads(LocalStorage):
+    """Reading any file whose key ends with one of ``bad`` fails with EIO."""
+
+    def __init__(self, root, bad):
+        super().__init__(root)
+        self.bad = bad
+
+    def read_into(self, key, out, offset=0):
+        if key.endswith(self.bad):
+            raise StoreError(errno.EIO, f"injected I/O error: {key}")
+        return super().read_into(key, out, offset)
+
+
+def test_verify_lists_every_unreadable_file(store):
+    with Checkpointer(_FailingReads(store, ("c.1.0", "c.2.0")), create=False) as ckpt:
+        report = ckpt.verify()
+    keys = sorted(p.key for p in report.problems)
+    assert len(keys) == 2 and keys[0].endswith("table/c.1.0") and keys[1].endswith("table/c.2.0"), keys
+
+
+# -- 9. restore --out --------------------------------------------------------------------------
+
+
+def test_restore_into_an_existing_folder_leaves_nothing_behind(store, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    one_line_error(cli("restore", str(store), "--step", "1", "--out", str(out)))
+    assert os.listdir(out) == []
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+
+
+def test_restore_into_a_missing_folder_is_one_line(store, tmp_path):
+    line = one_line_error(cli("restore", str(store), "--step", "1", "--out", str(tmp_path / "no" / "x.pt")))
+    assert "no" in line
+    assert not (tmp_path / "no").exists()

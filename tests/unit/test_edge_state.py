@@ -1,0 +1,109 @@
+"""Edge-case states: what can be saved exactly round-trips; the rest is refused at ``save`` or
+``mark`` with a typed error naming the key and the value, before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_same_state
+
+from deltackpt import Checkpointer, StateError, StepExistsError
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 4), (0, 3, 2), (5, 0), (2, 0, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bfloat16])
+def test_empty_tensors_round_trip_as_base_and_delta(store_path, shape, dtype):
+    empty = torch.zeros(shape, dtype=dtype)
+    other = torch.arange(12, dtype=dtype)
+    with Checkpointer(store_path, chunk_bytes=64, memory_budget=1024) as ckpt:
+        assert ckpt.save(0, {"e": empty, "o": other}).kind == "base"
+        other[3] = 7
+        assert ckpt.save(1, {"e": empty, "o": other}).kind == "delta"
+        assert_same_state(ckpt.load(0), {"e": empty, "o": torch.arange(12, dtype=dtype)})
+        assert_same_state(ckpt.load(1), {"e": empty, "o": other})
+        target = {"e": torch.ones(shape, dtype=dtype), "o": torch.zeros(12, dtype=dtype)}
+        ckpt.restore(target, 1)
+        assert_same_state(target, {"e": empty, "o": other})
+        assert ckpt.verify().ok
+
+
+def test_largest_step_round_trips(store_path):
+    with Checkpointer(store_path) as ckpt:
+        ckpt.save(2**63 - 1, {"w": torch.ones(3)})
+        assert ckpt.steps() == [2**63 - 1]
+        assert ckpt.load(2**63 - 1)["w"].tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("step", [2**63, 10**20, -1])
+def test_steps_past_the_format_are_refused(store_path, step):
+    with Checkpointer(store_path) as ckpt:
+        with pytest.raises(StepExistsError, match=str(step)):
+            ckpt.save(step, {"w": torch.ones(3)})
+        assert ckpt.steps() == []
+    assert not list(store_path.glob("steps/*/zarr.json"))
+
+
+def _nested(depth: int) -> dict:
+    node: dict = {"w": torch.arange(3.0)}
+    for i in range(depth - 1):
+        node = {f"k{i}": node}
+    return node
+
+
+def test_deepest_nesting_that_saves_also_loads(store_path):
+    from deltackpt.limits import MAX_DEPTH
+
+    with Checkpointer(store_path) as ckpt:
+        ckpt.save(0, _nested(MAX_DEPTH))
+        assert_same_state(ckpt.load(0), _nested(MAX_DEPTH))
+        with pytest.raises(StateError, match="nested"):
+            ckpt.save(1, _nested(MAX_DEPTH + 1))
+        with pytest.raises(StateError, match="nested"):
+            ckpt.save(1, _nested(1000))
+        assert ckpt.steps() == [0]
+
+
+def test_meta_tensors_are_refused(store_path):
+    with Checkpointer(store_path) as ckpt, pytest.raises(StateError, match="opt/m.*meta"):
+        ckpt.save(0, {"opt": {"m": torch.empty(3, device="meta")}})
+
+
+def test_nested_tensors_are_refused(store_path):
+    nt = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with Checkpointer(store_path) as ckpt, pytest.raises(StateError, match="nt.*nested"):
+        ckpt.save(0, {"nt": nt})
+
+
+@pytest.mark.parametrize("key", ["\ud800", "a\udfffb"])
+def test_lone_surrogate_keys_are_refused(store_path, key):
+    with Checkpointer(store_path) as ckpt:
+        with pytest.raises(StateError, match="surrogate"):
+            ckpt.save(0, {key: torch.ones(2)})
+        with pytest.raises(StateError, match="surrogate"):
+            ckpt.save(0, {"m": {key: 3}})
+        assert ckpt.steps() == []
+
+
+@pytest.mark.parametrize("bad", [[-1], [100], [3, 2**40], [-(2**62)]])
+def test_mark_refuses_ids_outside_the_table(store_path, bad):
+    table = torch.zeros(100, 4)
+    with Checkpointer(store_path) as ckpt:
+        ckpt.save(0, {"table": table})
+        table[7] = 1.0
+        ckpt.mark("table", torch.tensor([7]))
+        ckpt.save(1, {"table": table})  # marks are live from here on
+        table[8] = 2.0
+        with pytest.raises(StateError, match=f"table.*{bad[-1]}"):
+            ckpt.mark("table", torch.tensor(bad))
+        ckpt.mark("table", torch.tensor([8]))
+        ckpt.save(2, {"table": table})
+        assert torch.equal(ckpt.load(2)["table"], table)
+
+
+def test_mark_refuses_ids_past_the_table_before_its_first_save(store_path):
+    table = torch.zeros(10, 4)
+    with Checkpointer(store_path) as ckpt:
+        ckpt.mark("table", torch.tensor([1]))
+        ckpt.save(0, {"table": table})
+        with pytest.raises(StateError, match="-3"):
+            ckpt.mark("table", torch.tensor([-3]))
