@@ -7,6 +7,7 @@ line naming the problem and exits with status 1 (2 for a bad command line), with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -57,6 +58,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         except ManifestError as e:
             rows.append({"step": step, "kind": "corrupt", "error": str(e)})
             continue
+        except DeltackptError as e:  # the record cannot be read: list it and go on
+            rows.append({"step": step, "kind": "unreadable", "error": str(e)})
+            continue
         chain: list[int] | None
         try:  # where a restore starts: the base, or a later one compaction made
             chain = [c.step for c in store.chain(step)]
@@ -77,8 +81,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     print(f"{'step':>10} {'kind':<7} {'parent':>10} {'restores from':>15} {'written':>11} "
           f"{'of state':>11} world  values")
     for r in rows:
-        if r["kind"] == "corrupt":
-            print(f"{r['step']:>10} corrupt  {r['error']}")
+        if r["kind"] in ("corrupt", "unreadable"):
+            print(f"{r['step']:>10} {r['kind']:<7} {r['error']}")
             continue
         parent = "-" if r["parent"] is None else r["parent"]
         chain = r["restore_chain"]
@@ -124,6 +128,11 @@ def cmd_restore(args: argparse.Namespace) -> int:
     if args.world_size is not None and args.world_size < 1:
         raise DeltackptError(f"--world-size must be >= 1, got {args.world_size}")
     out = os.path.abspath(args.out)
+    parent = os.path.dirname(out)
+    if not os.path.isdir(parent):
+        raise DeltackptError(f"--out: the folder {parent} does not exist")
+    if args.world_size is None and os.path.isdir(out):
+        raise DeltackptError(f"--out: {out} is a folder; name the file to write (or pass --world-size)")
     written = []
     with Checkpointer(args.path, create=False, storage_options=_options(args)) as ckpt:
         if args.keys:
@@ -151,9 +160,18 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def _save_atomic(obj: Any, path: str) -> None:
+    """Writes ``obj`` to a temp file beside ``path`` and renames it there; no temp file stays
+    behind when either step fails."""
     tmp = f"{path}.{os.getpid()}.tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(e, (OSError, RuntimeError)):  # torch.save reports a bad path as RuntimeError
+            raise DeltackptError(f"--out: cannot write {path}: {e}") from None
+        raise
 
 
 def _unshard(obj: Any, path: str, shards: dict[str, dict[str, list[int]]]) -> Any:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .errors import StateError
+from .format.limits import MAX_DEPTH, has_surrogate, key_problem
 from .sharding import Shard, as_shard
 
 
@@ -54,7 +55,9 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
         The flat state.
 
     Raises:
-        StateError: a value that cannot be saved, or two paths that give one key.
+        StateError: a value that cannot be saved, a key that cannot name a folder of the store
+            (see :func:`deltackpt.format.limits.key_problem`), nesting deeper than
+            :data:`~deltackpt.format.limits.MAX_DEPTH`, or two paths that give one key.
 
     Example:
         >>> flat = flatten({"w": torch.zeros(2), "step": 3})
@@ -64,7 +67,7 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
     if not isinstance(state, Mapping):
         raise StateError(f"state must be a mapping, got {type(state).__name__}")
     tensors: dict[str, Shard] = {}
-    tree = _node(state, "", tensors)
+    tree = _node(state, "", tensors, 0)
     return FlatState(tensors, tree)
 
 
@@ -78,13 +81,21 @@ def integration(obj: object) -> Any:
     return None
 
 
-def _node(obj: Any, path: str, tensors: dict[str, Shard]) -> dict[str, Any]:
+def _node(obj: Any, path: str, tensors: dict[str, Shard], depth: int) -> dict[str, Any]:
+    if depth > MAX_DEPTH:
+        raise StateError(f"{path}: the state is nested deeper than {MAX_DEPTH} levels")
     adapter = integration(obj)
     if adapter is not None:
-        return _node(adapter.live_state(obj).tree, path, tensors)
+        return _node(adapter.live_state(obj).tree, path, tensors, depth)
     if isinstance(obj, (torch.Tensor, Shard)):
         if path in tensors:
             raise StateError(f"two entries of the state map to the key {path!r}")
+        if (why := key_problem(path)) is not None:
+            raise StateError(f"tensor key {path!r:.200} cannot name a folder of the store: {why}")
+        local = obj.local if isinstance(obj, Shard) else obj
+        if local.is_nested or local.is_meta:
+            raise StateError(f"{path}: cannot save a {'nested' if local.is_nested else 'meta'} "
+                             "tensor (it holds no plain data)")
         shard = as_shard(obj, path)
         if shard.local.layout != torch.strided:
             raise StateError(f"{path}: only dense (strided) tensors are supported, got {shard.local.layout}")
@@ -92,17 +103,20 @@ def _node(obj: Any, path: str, tensors: dict[str, Shard]) -> dict[str, Any]:
                               global_offset=shard.global_offset)
         return {"tensor": path}
     if is_stateful(obj) and not isinstance(obj, Mapping):
-        return _node(obj.state_dict(), path, tensors)
+        return _node(obj.state_dict(), path, tensors, depth)
     if isinstance(obj, Mapping):
         items = []
         for k, v in obj.items():
             if not isinstance(k, (str, int)) or isinstance(k, bool):
                 raise StateError(f"{path or '<root>'}: keys must be str or int, got {k!r}")
-            items.append([k, _node(v, f"{path}/{key_part(k)}" if path else key_part(k), tensors)])
+            if isinstance(k, str) and has_surrogate(k):
+                raise StateError(f"{path or '<root>'}: key {k!r} holds a lone surrogate (not UTF-8)")
+            child = f"{path}/{key_part(k)}" if path else key_part(k)
+            items.append([k, _node(v, child, tensors, depth + 1)])
         return {"dict": items}
     if isinstance(obj, (list, tuple)):
         kind = "tuple" if isinstance(obj, tuple) else "list"
-        return {kind: [_node(v, f"{path}/{i}", tensors) for i, v in enumerate(obj)]}
+        return {kind: [_node(v, f"{path}/{i}", tensors, depth + 1) for i, v in enumerate(obj)]}
     if isinstance(obj, float) and not math.isfinite(obj):
         return {"float": repr(obj)}
     if obj is None or isinstance(obj, (bool, int, float, str)):

@@ -20,6 +20,7 @@ from .errors import (
     StoreError,
 )
 from .format.layout import BASES, COMMITS, RECORD_NAME, STEPS, base_key, commit_key
+from .format.limits import MAX_RECORD_BYTES, MAX_STEP
 from .format.manifest import FORMAT, Manifest
 from .format.zarr_meta import group_doc
 from .storage import Storage
@@ -52,7 +53,7 @@ class Store:
         if not self.exists():
             raise StoreError(None, f"no deltackpt store at {self.storage.url}")
         try:
-            doc = json.loads(self.storage.read("zarr.json"))
+            doc = json.loads(self._read_small("zarr.json"))
             fmt = doc["attributes"]["deltackpt"]["format"]
         except (ValueError, KeyError, TypeError):
             raise StoreError(None, f"{self.storage.url}/zarr.json is not a deltackpt store root") from None
@@ -60,12 +61,21 @@ class Store:
             raise StoreError(None, f"store format {fmt!r} is not supported (this version reads {FORMAT})")
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending."""
-        return _record_steps(self.storage.list(COMMITS))
+        """Committed steps, ascending: the records in ``commits/`` (files whose name is a step of
+        20 ASCII digits, at most ``MAX_STEP``; anything else there is no step)."""
+        return _record_steps(self.storage.files(COMMITS))
 
     def compacted_steps(self) -> list[int]:
         """Steps that have a base made by compaction, ascending."""
-        return _record_steps(self.storage.list(BASES))
+        return _record_steps(self.storage.files(BASES))
+
+    def _read_small(self, key: str, limit: int = MAX_RECORD_BYTES) -> bytes:
+        """Reads a record or metadata document, refusing one larger than ``limit`` unread."""
+        size = self.storage.size(key)
+        if size is not None and size > limit:
+            raise StoreError(None, f"{self.storage.url}/{key} is too large: {size} bytes "
+                                   f"(a record holds at most {limit})")
+        return self.storage.read(key)
 
     def compacted(self, step: int) -> Manifest | None:
         """The base compaction made for ``step``, or None."""
@@ -73,7 +83,7 @@ class Store:
             return self._bases[step]
         key = base_key(step)
         try:
-            data = self.storage.read(key)
+            data = self._read_small(key)
         except FileNotFoundError:
             return None
         m = Manifest.from_json(data, key)
@@ -93,7 +103,7 @@ class Store:
             return self._manifests[step]
         key = commit_key(step)
         try:
-            data = self.storage.read(key)
+            data = self._read_small(key)
         except FileNotFoundError:
             raise StepNotFoundError(step, self.steps()) from None
         m = Manifest.from_json(data, key)
@@ -190,5 +200,5 @@ class Store:
 
 
 def _record_steps(names: list[str]) -> list[int]:
-    found = (RECORD_NAME.match(name) for name in names)
-    return sorted(int(m.group(1)) for m in found if m)
+    found = (RECORD_NAME.fullmatch(name) for name in names)
+    return sorted(s for m in found if m and (s := int(m.group(1))) <= MAX_STEP)

@@ -18,7 +18,7 @@ COMMITS = "commits"
 BASES = "bases"
 STEPS = "steps"
 LEASE = "writer.lease"
-RECORD_NAME = re.compile(r"^(\d{20})\.json$")
+RECORD_NAME = re.compile(r"([0-9]{20})\.json", re.ASCII)  # whole names only: use fullmatch
 
 
 def commit_key(step: int) -> str:

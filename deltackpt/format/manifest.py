@@ -3,6 +3,11 @@
 Format 2 is documented in ``docs/format.md``. Parsing is strict: a record that breaks the format
 raises :class:`ManifestError` naming the record and the field, never a deep traceback, and no
 size read from a record is trusted for an allocation before it is checked against the shape.
+A record is untrusted input (see :mod:`deltackpt.format.limits`): duplicate JSON keys, tensor keys
+that are no plain folder names and chunk names outside the part's chunk grid are refused; a base
+part lists every chunk of its grid and a delta part every chunk it reads, so the work a record
+drives is bounded by its own size, and each chunk's size must fit the bytes its place in the
+grid holds (exactly, for a raw chunk).
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from ..quantization import QuantizationError, Rowwise
 from ..sharding import Box, check_tiling
 from . import dtypes
 from .lossy import Lossy
+from .layout import chunk_key
+from .limits import (MAX_DEPTH, MAX_METADATA_BYTES, MAX_STEP, chunk_index, coded_size_fits,
+                     key_problem)
 
 FORMAT = 2
 LOSSY_FORMAT = 3  # format 2 plus quantized deltas: written only by a checkpointer with quantize=
@@ -181,7 +189,7 @@ class Manifest:
     def from_json(cls, data: bytes, where: str) -> Manifest:
         """Parses and validates a record; ``where`` names it in errors."""
         try:
-            doc = json.loads(data, parse_constant=_reject_constant)
+            doc = json.loads(data, parse_constant=_reject_constant, object_pairs_hook=_unique)
         except (ValueError, RecursionError) as e:
             raise ManifestError(f"{where}: not valid JSON ({e})") from None
         return _parse(doc, where)
@@ -189,6 +197,33 @@ class Manifest:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    doc = dict(pairs)
+    if len(doc) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"duplicate key {dup!r:.80}")
+    return doc
+
+
+def chunk_bytes(rec: TensorRecord, part: PartRecord, name: str) -> tuple[int, bool]:
+    """The bytes chunk ``name`` of a part decodes to (its rows or elements, padded as stored),
+    and whether it is coded (blosc) rather than raw. ``name`` is a chunk of the part's grid."""
+    dtype = dtypes.from_name(rec.dtype)
+    itemsize = dtype.itemsize
+    coded = dtypes.compresses(dtype)
+    if rec.encoding == "chunks":
+        return part.chunk_shape[0] * itemsize, coded
+    if not part.shape:
+        return itemsize, coded
+    rows = part.chunk_shape[0]
+    if name.startswith("ids/"):
+        return rows * 8, True  # int64 row ids, coded like every integer array
+    if rec.encoding == "qrows":
+        return rows * part.chunk_shape[1], False  # raw uint8 rows of chunk_shape[1] bytes
+    return rows * math.prod(part.shape[1:]) * itemsize, coded
 
 
 def _field(doc: dict[str, Any], name: str, kinds: type | tuple[type, ...], where: str) -> Any:
@@ -214,7 +249,7 @@ def _optional_count(doc: dict[str, Any], name: str, where: str) -> int | None:
 
 def _count(doc: dict[str, Any], name: str, where: str) -> int:
     value: int = _field(doc, name, int, where)
-    if value < 0 or value >= 2**63:
+    if value < 0 or value > MAX_STEP:
         raise ManifestError(f"{where}: field {name!r} is out of range: {value}")
     return value
 
@@ -233,8 +268,17 @@ def _parse(doc: Any, where: str) -> Manifest:
         if not isinstance(files, dict) or not _PACK.match(name) or "c.0" not in files:
             raise ManifestError(f"{where}: pack {name!r:.40} has a bad entry {files!r:.80}")
         packs[name] = _chunk_map(files, f"{where}: pack {name!r}", packed=False)
+        data = {f: e for f, e in packs[name].items() if f != "zarr.json"}
+        size = data["c.0"][0]
+        if (set(data) != {f"c.{i}" for i in range(len(data))} or size < 1
+                or any(e[0] != size for e in data.values())
+                or packs[name].get("zarr.json", (0,))[0] > MAX_METADATA_BYTES):
+            raise ManifestError(f"{where}: pack {name!r} must be files c.0, c.1, ... of one size "
+                                f"and its zarr.json, got {sorted(files)!r:.120}")
     tensors = {}
     for key, rec in _field(doc, "tensors", dict, where).items():
+        if (why := key_problem(key)) is not None:
+            raise ManifestError(f"{where}: tensor key {key!r:.200} is no folder name: {why}")
         tensors[key] = _parse_tensor(rec, packs, fmt, f"{where}: tensor {key!r}")
     created = _field(doc, "created", (int, float), where)
     if not math.isfinite(created):
@@ -277,8 +321,8 @@ def _parse(doc: Any, where: str) -> Manifest:
 
 def _check_tree(node: Any, tensors: dict[str, TensorRecord], where: str, depth: int) -> None:
     """Checks a state skeleton (see deltackpt.statetree): well-formed nodes, known tensors."""
-    if depth > 100:
-        raise ManifestError(f"{where}: nested too deeply")
+    if depth > MAX_DEPTH:
+        raise ManifestError(f"{where}: nested deeper than {MAX_DEPTH}")
     if not isinstance(node, dict) or len(node) != 1:
         raise ManifestError(f"{where}: a node must be an object with one field, got {node!r:.80}")
     (kind, body), = node.items()
@@ -368,7 +412,45 @@ def _parse_tensor(rec: Any, packs: dict[str, ChunkMap], fmt: int, where: str) ->
         lossy = _parse_lossy(rec["lossy"], encoding, where)
     if encoding == "qrows" and (lossy is None or dtype not in ("float32", "bfloat16", "float16")):
         raise ManifestError(f"{where}: encoding 'qrows' needs a 'lossy' record and a float dtype")
-    return TensorRecord(dtype=dtype, shape=tuple(shape), encoding=encoding, parts=parts, lossy=lossy)
+    tensor = TensorRecord(dtype=dtype, shape=tuple(shape), encoding=encoding, parts=parts, lossy=lossy)
+    for i, part in enumerate(parts):
+        _check_chunks(tensor, part, f"{where} part {i}")
+    return tensor
+
+
+
+def _check_chunks(rec: TensorRecord, part: PartRecord, where: str) -> None:
+    """The part's chunks are the ones its grid needs, each of a size that fits its bytes."""
+    ndim = len(part.shape)
+    if rec.encoding in ("full", "rows") and part.chunk_shape[1:] != part.shape[1:]:
+        raise ManifestError(f"{where}: chunk_shape {list(part.chunk_shape)} must span the part's "
+                            f"other dimensions {list(part.shape[1:])}")
+    names = set(part.chunks) - {"zarr.json"}
+    if rec.encoding == "full":
+        n = -(-part.shape[0] // part.chunk_shape[0]) if ndim and math.prod(part.shape) else int(not ndim)
+        want = {chunk_key(i, ndim) for i in range(min(n, len(names) + 1))}
+    elif rec.encoding in ("rows", "qrows"):
+        n = -(-part.changed // part.chunk_shape[0])
+        rows = ("rows", ndim) if rec.encoding == "rows" else ("qrows", 2)
+        want = {f"{a}/{chunk_key(i, d)}" for i in range(min(n, len(names) + 1))
+                for a, d in (("ids", 1), rows)}
+    else:
+        n = -(-max(1, math.prod(part.shape)) // part.chunk_shape[0])
+        want = {name for name in names if (k := chunk_index(name, 1)) is not None and k < n}
+    if names != want or (rec.encoding != "chunks" and len(want) != n * (1 + (rec.encoding != "full"))):
+        bad = sorted(names - want) or sorted(want - names) or ["(more chunks than listed)"]
+        raise ManifestError(f"{where}: chunk {bad[0]!r:.60} is not one of the part's grid "
+                            f"({n} chunk(s) of {list(part.chunk_shape)} for {list(part.shape)})")
+    for name, entry in part.chunks.items():
+        if name == "zarr.json":
+            fits = entry[0] <= MAX_METADATA_BYTES
+        else:
+            decoded, coded = chunk_bytes(rec, part, name)
+            fits = coded_size_fits(entry[0], decoded) if coded else entry[0] == decoded
+        if not fits:
+            raise ManifestError(f"{where}: chunk {name!r} of {entry[0]} B cannot hold its place in "
+                                f"the grid ({list(part.chunk_shape)} of {rec.dtype})")
+
 
 
 def _dims(doc: dict[str, Any], name: str, where: str) -> tuple[int, ...]:

@@ -21,6 +21,7 @@ import xxhash
 from ..errors import IntegrityError, MissingChunkError
 from ..format import dtypes
 from ..format.layout import STEPS, chunk_key, part_folder
+from ..format.limits import coded_problem
 from ..format.manifest import Entry, Manifest, PartRecord, TensorRecord
 from ..format.zarr_meta import codec_for
 from ..kernels import rowwise
@@ -167,6 +168,23 @@ class ChainReader:
         self._executor = executor
         self._ids: dict[tuple[int, str, str], torch.Tensor] = {}  # a delta part's row ids
 
+    def check_files(self, key: str, box: Box) -> None:
+        """Checks that every file of the base parts of ``key`` that intersect ``box`` has its
+        recorded size, so a tensor is allocated for ``box`` only once the store's real files
+        justify it (the record's grid ties the tensor's bytes to its chunks' sizes)."""
+        m, head = self._chain[0], self._chain[-1].tensors.get(key)
+        rec = m.tensors.get(key)
+        if rec is None or head is None:
+            raise IntegrityError(m.step, key, "the tensor is missing from this step's record")
+        if (rec.dtype, rec.shape) != (head.dtype, head.shape):
+            raise IntegrityError(m.step, key, "dtype or shape differs along the chain")
+        for part in rec.parts:
+            inter = part.box.intersect(box)
+            if inter is not None and inter.numel:
+                for name in part.chunks:
+                    if name != "zarr.json":
+                        stored_size(self._storage, m, key, part, name)
+
     def read(self, key: str, dest: torch.Tensor, box: Box | None = None) -> None:
         """Fills ``dest`` (CPU, contiguous, of the recorded dtype) with the box ``box`` (default:
         the whole tensor) of ``key``'s value."""
@@ -214,6 +232,11 @@ class ChainReader:
             if codec is None:
                 use(buf)
                 return
+            # The header says what it decodes to: check before decompressing (a small chunk
+            # with a matching checksum may decode to gigabytes).
+            why = coded_problem(buf.numpy(), decoded_bytes)
+            if why is not None:
+                raise IntegrityError(m.step, chunk_path(m, key, part, name), why)
             raw = np.frombuffer(codec.decode(buf.numpy()), np.uint8)
             if raw.nbytes != decoded_bytes:
                 raise IntegrityError(m.step, chunk_path(m, key, part, name), "decodes to a wrong size")

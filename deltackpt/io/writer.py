@@ -16,6 +16,7 @@ the rank that writes a part's chunks, so both agree on the chunk grid.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -100,10 +101,14 @@ class StepWriter:
         """Writes every chunk of ``t`` (a whole part, or the rows of a part from chunk
         ``first_chunk`` on), chunked by rows; ``release`` runs once all of them are written."""
         rows = t.shape[0] if t.dim() else 1
-        flat = t.reshape(rows, -1)
-        row_bytes = flat.shape[1] * t.element_size()
         cr = chunks[0] if chunks else 1
         n = -(-rows // cr) if t.numel() else 0
+        if n == 0:  # nothing to write (a tensor without elements has no chunks)
+            if release is not None:
+                release()
+            return
+        flat = t.reshape(rows, -1)
+        row_bytes = flat.shape[1] * t.element_size()
         left = [n]
 
         def one_done() -> None:
@@ -113,8 +118,6 @@ class StepWriter:
             if last and release is not None:
                 release()
 
-        if n == 0 and release is not None:
-            release()
         for i in range(n):
             lo, hi = i * cr, min(rows, (i + 1) * cr)
             self._put(key, path, chunk_key(first_chunk + i, t.dim()), flat[lo:hi],
@@ -133,7 +136,7 @@ class StepWriter:
                 scale's range).
         """
         n = ids.numel()
-        flat = t.reshape(t.shape[0], -1)
+        flat = t.reshape(t.shape[0], math.prod(t.shape[1:]))
         row_bytes = flat.shape[1] * t.element_size()
         bound = 0.0
         for i in range(-(-n // chunk_rows)):

@@ -1,4 +1,9 @@
-"""Proving steps restorable without loading a model: chains, sizes and checksums of every chunk."""
+"""Proving steps restorable without loading a model: chains, sizes and checksums of every chunk.
+
+Verify accepts no less than restore does: records are parsed as strictly (chunk sizes that fit
+their place in the grid), coded chunks must announce the decoded size their place holds, and a
+file that cannot be read at all is one more problem on the list, never the end of the run.
+"""
 
 from __future__ import annotations
 
@@ -11,16 +16,19 @@ import torch
 
 from ..errors import BrokenChainError, DeltackptError, IntegrityError, MissingChunkError
 from ..format.layout import STEPS
-from ..format.manifest import Manifest, PartRecord, TensorRecord
+from ..format.limits import coded_problem
+from ..format.manifest import Manifest, PartRecord, TensorRecord, chunk_bytes
 from ..io.reader import chunk_path, fetch, fetch_file_in_pieces, file_size, stored_size
 from ..io.staging import StagingPool
 from ..quantization import Rowwise
+from ..storage import Storage
 from ..store import Store
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One thing wrong with a step: ``kind`` is ``missing``, ``corrupt``, ``record`` or ``chain``."""
+    """One thing wrong with a step: ``kind`` is ``missing``, ``corrupt``, ``unreadable`` (the
+    file cannot be read: a link, a special file, an I/O error), ``record`` or ``chain``."""
 
     step: int
     kind: str
@@ -132,7 +140,8 @@ def _check_step(store: Store, m: Manifest, pool: StagingPool, executor: Executor
     from the pack again and checked on its own)."""
     storage = store.storage
 
-    def check(size: Callable[[], int], read: Callable[[torch.Tensor], None], pieces: bool) -> Problem | None:
+    def check(path: str, size: Callable[[], int], read: Callable[[torch.Tensor], None],
+              pieces: bool) -> Problem | None:
         try:
             n = size()  # checked against the file before a buffer is sized by it
             buf = pool.acquire((min(n, pool.nbytes) or 1) if pieces else n)
@@ -144,27 +153,45 @@ def _check_step(store: Store, m: Manifest, pool: StagingPool, executor: Executor
             return Problem(m.step, "missing", e.key, str(e))
         except IntegrityError as e:
             return Problem(m.step, "corrupt", e.key, str(e))
+        except DeltackptError as e:  # StoreError: unreadable, whatever the reason
+            return Problem(m.step, "unreadable", path, str(e))
         progress(n)
         return None
 
     # A pack's file is as long as the pack: read through one staging buffer a piece at a time.
-    jobs: list[tuple[int, Callable[[], int], Callable[[torch.Tensor], None], bool]] = []
+    jobs: list[tuple[int, str, Callable[[], int], Callable[[torch.Tensor], None], bool]] = []
     for pack, files in m.packs.items():
         for name, entry in files.items():
             path = f"{STEPS}/{m.attempt}/{pack}/{name}"
-            jobs.append((entry[0], partial(file_size, storage, m.step, path, entry),
+            jobs.append((entry[0], path, partial(file_size, storage, m.step, path, entry),
                          partial(fetch_file_in_pieces, storage, m.step, path, entry), True))
     for key, rec in m.tensors.items():
         for part in rec.parts:
             for name, chunk in part.chunks.items():
-                read: Callable[[torch.Tensor], None] = partial(fetch, storage, m, key, part, name)
+                read: Callable[[torch.Tensor], None] = partial(
+                    _fetch_decodable, storage, m, key, rec, part, name)
                 if rec.encoding == "qrows" and name.startswith("qrows/"):
                     read = partial(_read_qrows, read, m, key, rec, part, name)
-                jobs.append((chunk[0], partial(stored_size, storage, m, key, part, name), read, False))
+                jobs.append((chunk[0], chunk_path(m, key, part, name),
+                             partial(stored_size, storage, m, key, part, name), read, False))
     futures = []
-    for size, sizer, read, pieces in jobs:
+    for size, path, sizer, read, pieces in jobs:
         report.chunks += 1
         report.bytes += size
-        futures.append(executor.submit(check, sizer, read, pieces))
+        futures.append(executor.submit(check, path, sizer, read, pieces))
     found = [p for f in futures if (p := f.result()) is not None]
     return sorted(found, key=lambda p: p.key)
+
+
+def _fetch_decodable(storage: Storage, m: Manifest, key: str, rec: TensorRecord, part: PartRecord, name: str,
+                     into: torch.Tensor) -> None:
+    """Reads and checks a chunk as :func:`fetch` does; a coded one must also announce the
+    decoded size that its place in the grid holds (restore refuses it otherwise)."""
+    fetch(storage, m, key, part, name, into)
+    if name == "zarr.json":
+        return
+    decoded, coded = chunk_bytes(rec, part, name)
+    why = coded_problem(into.numpy(), decoded) if coded else None
+    if why is not None:
+        raise IntegrityError(m.step, chunk_path(m, key, part, name), why)
+

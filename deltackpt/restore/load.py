@@ -47,6 +47,7 @@ def read_step(storage: Storage, chain: list[Manifest], pool: StagingPool, execut
         box = Box((0,) * len(rec.shape), rec.shape)
         if row_shard is not None and rec.shape:
             box = row_block(rec.shape, *row_shard)
+        reader.check_files(key, box)  # the files justify the tensor before it is allocated
         t = torch.empty(box.shape, dtype=dtypes.from_name(rec.dtype))
         reader.read(key, t, box)
         out[key] = t if row_shard is None or not rec.shape else Shard(

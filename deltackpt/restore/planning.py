@@ -23,7 +23,7 @@ from ..errors import (
 from ..format import dtypes
 from ..format.manifest import Manifest
 from ..io.reader import ChainReader
-from ..sharding import Shard, as_shard, is_dtensor
+from ..sharding import Box, Shard, as_shard, is_dtensor
 
 
 @dataclass
@@ -157,6 +157,7 @@ def fill(plan: RestorePlan, m: Manifest, reader: ChainReader) -> None:
         rec = m.tensors[key]
         target = plan.targets.get(key)
         if target is None:  # loaded whole, for an optimizer's load_state_dict
+            reader.check_files(key, Box((0,) * len(rec.shape), rec.shape))
             dest = torch.empty(rec.shape, dtype=dtypes.from_name(rec.dtype))
             reader.read(key, dest)
             final[key] = dest

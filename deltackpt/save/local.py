@@ -8,6 +8,7 @@ from typing import Any
 from .. import statetree
 from ..errors import StepExistsError
 from ..format import dtypes
+from ..format.limits import MAX_STEP
 from ..sharding import Shard
 from .planner import GlobalPlan, ItemInfo, LocalPlan
 from .types import LocalState, WriteItem
@@ -17,11 +18,12 @@ def plan_local(step: int, state: Mapping[str, Any], rank: int, sizes: tuple[int,
     """Flattens ``state`` and lists its tensors' boxes.
 
     Raises:
-        StepExistsError: ``step`` is not a non-negative int.
+        StepExistsError: ``step`` is not an int in ``[0, MAX_STEP]`` (records name steps by 20
+            digits, and readers hold them as int64).
         StateError: ``state`` holds something that cannot be saved.
     """
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise StepExistsError(f"step must be a non-negative int, got {step!r}")
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        raise StepExistsError(f"step must be an int in [0, {MAX_STEP}], got {step!r}")
     flat = statetree.flatten(state)
     shards = {k: s if s.local.is_contiguous() else
               Shard(s.local.contiguous(), global_shape=s.global_shape, global_offset=s.global_offset)

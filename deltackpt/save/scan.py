@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -41,7 +42,7 @@ def summarize(key: str, path: str, t: torch.Tensor, change: TensorChange, chunk_
         return PartScan(key, path, True, n,
                         n * (rowwise.row_bytes(t[0].numel(), rule.bits, rule.scale_dtype) + 8))
     if is_row_sparse(t):
-        return PartScan(key, path, True, n, n * (t[0].numel() * t.element_size() + 8))
+        return PartScan(key, path, True, n, n * (math.prod(t.shape[1:]) * t.element_size() + 8))
     return PartScan(key, path, True, n, n * chunk_elems * t.element_size())
 
 

@@ -22,8 +22,22 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..errors import StoreError
+
 PointHook = Callable[[str, str], None]
 """Called with ``(phase, key)`` before a durable step."""
+
+
+def check_key(key: str) -> list[str]:
+    """The components of ``key``, once it names a place under the store.
+
+    Raises:
+        StoreError: a component is empty, ``.`` or ``..``, or holds a NUL.
+    """
+    parts = key.split("/")
+    if any(p in ("", ".", "..") or "\x00" in p for p in parts):
+        raise StoreError(None, f"bad key {key!r:.200}: keys are '/'-separated names under the store")
+    return parts
 
 
 @dataclass(frozen=True)
@@ -45,6 +59,11 @@ class Storage(Protocol):
 
     Missing keys: :meth:`read` and :meth:`read_into` raise :class:`FileNotFoundError`,
     :meth:`size` returns None, :meth:`list` returns ``[]``, :meth:`delete` does nothing.
+
+    Keys come from commit records, which are untrusted: a backend refuses a key that would
+    leave the store (an empty, ``.`` or ``..`` component, a NUL) with
+    :class:`~deltackpt.StoreError`, and reads only plain objects (on a file system: regular
+    files, never through a link).
     """
 
     url: str
@@ -75,7 +94,11 @@ class Storage(Protocol):
         """Size of object ``key``, or None if absent."""
 
     def list(self, prefix: str) -> list[str]:
-        """Names directly under ``prefix`` (objects and folders), sorted."""
+        """Names directly under ``prefix`` (objects, folders and anything else there), sorted."""
+
+    def files(self, prefix: str) -> list[str]:
+        """Names of the objects directly under ``prefix``, sorted: no folders, links or special
+        files (a store's records are listed this way)."""
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Durably creates ``key`` with ``data`` unless it exists; returns whether it did."""
@@ -96,7 +119,7 @@ class Storage(Protocol):
         modification time among them (0.0 if nothing is there)."""
 
     def delete_tree(self, prefix: str) -> None:
-        """Removes everything under ``prefix``."""
+        """Removes everything under ``prefix`` (a link is removed, never followed)."""
 
     def abort_stale_uploads(self, older_than: float) -> int:
         """Abandons uploads begun before Unix time ``older_than`` and never finished (an object

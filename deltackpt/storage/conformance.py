@@ -115,6 +115,28 @@ class StorageConformance:
         storage.sync(["steps/a/pack.0/c.0"])
         assert storage.read("steps/a/pack.0/c.0") == b"aaaabbbbcc"
 
+    def test_files_lists_objects_only(self, tmp_path: Path) -> None:
+        storage = self.make_storage(tmp_path)
+        storage.write("commits/a.json", [memoryview(b"{}")])
+        storage.write("commits/b.json/c", [memoryview(b"{}")])  # a folder named as a record
+        storage.sync(["commits/a.json", "commits/b.json/c"])
+        assert storage.list("commits") == ["a.json", "b.json"]
+        assert storage.files("commits") == ["a.json"]
+        assert storage.files("nothing") == []
+
+    def test_keys_that_leave_the_store_are_refused(self, tmp_path: Path) -> None:
+        storage = self.make_storage(tmp_path / "store")
+        for key in ("../x", "a/../../x", "/x", "a//b", "a/./b", "a\x00b", ""):
+            with pytest.raises(StoreError):
+                storage.write(key, [memoryview(b"x")])
+            with pytest.raises(StoreError):
+                storage.read(key)
+            with pytest.raises(StoreError):
+                storage.put_if_absent(key, b"x")
+            with pytest.raises(StoreError):
+                storage.delete_tree(key)
+        assert not (tmp_path / "x").exists()
+
     def test_write_refuses_an_existing_key(self, tmp_path: Path) -> None:
         storage = self.make_storage(tmp_path)
         storage.write("steps/a", [memoryview(b"1")])

@@ -61,6 +61,9 @@ class FaultInjection:
     def list(self, prefix: str) -> list[str]:
         return self.inner.list(prefix)
 
+    def files(self, prefix: str) -> list[str]:
+        return self.inner.files(prefix)
+
     def put_if_absent(self, key: str, data: bytes) -> bool:
         return self.inner.put_if_absent(key, data)
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable
 
 from ..errors import StoreError
-from .base import Capabilities, PointHook
+from .base import Capabilities, PointHook, check_key
 
 _urls = itertools.count()
 
@@ -48,6 +48,7 @@ class MemoryStorage:
             self.on_point(phase, key)
 
     def write(self, key: str, parts: Iterable[memoryview]) -> None:
+        check_key(key)
         self.point("write_chunk", key)
         data = b"".join(bytes(p.cast("B")) for p in parts)
         with self._lock:
@@ -93,7 +94,14 @@ class MemoryStorage:
             names = {k[len(inside):].split("/", 1)[0] for k in self._objects if k.startswith(inside)}
         return sorted(names)
 
+    def files(self, prefix: str) -> list[str]:
+        inside = f"{prefix}/" if prefix else ""
+        with self._lock:
+            names = {k[len(inside):] for k in self._objects if k.startswith(inside)}
+        return sorted(n for n in names if "/" not in n)
+
     def put_if_absent(self, key: str, data: bytes) -> bool:
+        check_key(key)
         self.point("write_manifest_tmp", key)
         self.point("rename_manifest", key)
         with self._lock:
@@ -129,6 +137,7 @@ class MemoryStorage:
         return 0  # writes are whole at once
 
     def delete_tree(self, prefix: str) -> None:
+        check_key(prefix)
         self.point("gc_delete", prefix)
         with self._lock:
             for k in [k for k in self._objects if k == prefix or k.startswith(f"{prefix}/")]:
@@ -140,6 +149,7 @@ class MemoryStorage:
             self._objects = dict(self._durable)
 
     def _get(self, key: str) -> bytes:
+        check_key(key)
         with self._lock:
             found = self._objects.get(key)
         if found is None:

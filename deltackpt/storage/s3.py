@@ -34,7 +34,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from ..errors import StoreError
-from .base import Capabilities, PointHook
+from .base import Capabilities, PointHook, check_key
 from .s3_config import S3Config
 from .s3_requests import SignedRequests
 
@@ -174,6 +174,12 @@ class S3Storage:
         names = {p.rstrip("/").rsplit("/", 1)[-1] for p in found["common_prefixes"]}
         names |= {o["path"].rsplit("/", 1)[-1] for o in found["objects"]}
         return sorted(names)
+
+    def files(self, prefix: str) -> list[str]:
+        inside = f"{self._root}{prefix}/" if prefix else self._root
+        found = self._call("files", prefix, lambda: self._obs.list_with_delimiter(
+            self._store, inside or None))
+        return sorted({o["path"].rsplit("/", 1)[-1] for o in found["objects"]})
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         self._check_conditional_writes()
@@ -325,6 +331,8 @@ class S3Storage:
         """Runs one client call, retrying what the client gives up on too early (a connection
         dropped in the middle of a request that is not idempotent) until ``retry_timeout``;
         maps the client's errors to the protocol's."""
+        if key:
+            check_key(key)  # keys come from records: none may leave the store's prefix
         exceptions = self._obs.exceptions
         deadline = time.monotonic() + self.config.retry_timeout
         delay = 0.05

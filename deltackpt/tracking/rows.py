@@ -170,7 +170,9 @@ class RowTracker:
             ids: row ids (int64 or int32, any shape) on the table's device; they must be in range.
 
         Raises:
-            StateError: ``ids`` is not an integer tensor.
+            StateError: ``ids`` is not an integer tensor, or holds an id outside the table (a
+                negative id would wrap around to a row that did not change). Checking reads the
+                ids' range, which waits for the device when they are on one.
         """
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
             raise StateError(f"mark({key!r}): ids must be an int64 or int32 tensor, got "
@@ -179,6 +181,14 @@ class RowTracker:
         if t is None:
             param, opt = self._params.get(key, (None, None))
             t = self._register((key,), param, opt, Canary())
+        if ids.numel():
+            lo, hi = (int(v) for v in torch.aminmax(ids))
+            rows = t.mask.shape[0] if t.mask is not None else (
+                t.param.shape[0] if t.param is not None and t.param.dim() else None)
+            if lo < 0 or (rows is not None and hi >= rows):
+                raise StateError(f"mark({key!r}): row id {lo if lo < 0 else hi} is outside the "
+                                 f"table's {rows if rows is not None else 'rows'}"
+                                 f"{' rows' if rows is not None else ''}")
         t.mark(ids)
 
     def untrack(self, hooks: Iterable[RemovableHandle], keys: Iterable[str]) -> None:

@@ -14,14 +14,14 @@ from deltackpt import Checkpointer, StateError, StepExistsError
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bfloat16])
 def test_empty_tensors_round_trip_as_base_and_delta(store_path, shape, dtype):
     empty = torch.zeros(shape, dtype=dtype)
-    other = torch.arange(12, dtype=dtype)
-    with Checkpointer(store_path, chunk_bytes=64, memory_budget=1024) as ckpt:
+    other = torch.arange(1000, dtype=dtype)
+    with Checkpointer(store_path, chunk_bytes=64, dense_chunk_bytes=64, memory_budget=1024) as ckpt:
         assert ckpt.save(0, {"e": empty, "o": other}).kind == "base"
         other[3] = 7
         assert ckpt.save(1, {"e": empty, "o": other}).kind == "delta"
-        assert_same_state(ckpt.load(0), {"e": empty, "o": torch.arange(12, dtype=dtype)})
+        assert_same_state(ckpt.load(0), {"e": empty, "o": torch.arange(1000, dtype=dtype)})
         assert_same_state(ckpt.load(1), {"e": empty, "o": other})
-        target = {"e": torch.ones(shape, dtype=dtype), "o": torch.zeros(12, dtype=dtype)}
+        target = {"e": torch.ones(shape, dtype=dtype), "o": torch.zeros(1000, dtype=dtype)}
         ckpt.restore(target, 1)
         assert_same_state(target, {"e": empty, "o": other})
         assert ckpt.verify().ok
@@ -51,7 +51,7 @@ def _nested(depth: int) -> dict:
 
 
 def test_deepest_nesting_that_saves_also_loads(store_path):
-    from deltackpt.limits import MAX_DEPTH
+    from deltackpt.format.limits import MAX_DEPTH
 
     with Checkpointer(store_path) as ckpt:
         ckpt.save(0, _nested(MAX_DEPTH))
