@@ -98,6 +98,8 @@ class Saver:
                 w.abandon()
             raise
         tensors = {it.key: it.tensor for it in items}
+        if save.kind == Kind.BASE:  # hashed now, as staged: the background may run on after
+            staged = self._tracker.hash_whole(tensors, staged)
         return partial(self._write_and_commit, save, writers, tensors, staged, t0)
 
     def _write_and_commit(self, save: SavePlan, writers: list[StepWriter],
@@ -137,7 +139,7 @@ class Saver:
                  changes: dict[str, TensorChange]) -> None:
         """After a commit: the change tracker's reference and the chain the next delta extends."""
         if kind == Kind.BASE or not getattr(self.policy, "differential", False):
-            self._tracker.adopt(tensors, changes)
+            self._tracker.adopt(tensors, changes, base=kind == Kind.BASE)
             self._head = manifest
         # A differential policy's deltas all apply to the base: keep it as the reference.
         self._chain = (

@@ -13,11 +13,14 @@ their bytes. Both are found one of two ways:
   rows (or of the chunks holding them, for 1-D state) are recomputed, so the last commit's hashes
   stay current at O(changed) cost: a delta's writer hashes them from the copies it writes
   (:func:`deltackpt.save.phases.write_part`), and :meth:`ChangeTracker.adopt` hashes whatever no
-  writer did (in a base). Each such save also re-hashes a
-  random sample of unmarked rows (the :class:`~deltackpt.tracking.marks.Canary`) and compares them
-  with the last commit: a mismatch means something changes rows without a lookup (weight decay,
-  dense Adam, a custom optimizer). It logs a warning naming the table, hashes that table and its
-  optimizer state from then on, and the save writes the rows the hashes find.
+  writer did. Each such save also re-hashes a
+  sample of distinct unmarked rows (the :class:`~deltackpt.tracking.marks.Canary`) and compares
+  them with the last commit: a mismatch means something changes rows without a lookup (weight
+  decay, dense Adam, a custom optimizer). It logs a warning naming the table, hashes that table
+  and its optimizer state from then on, and the save writes the rows the hashes find. A sample
+  finds a rare stray change only with the probability the canary documents, so every
+  ``audit_every`` deltas a full audit hashes the whole table instead and the delta writes every
+  changed row, and after each base the tables are hashed whole.
 
 A table's marks become its change set only once they cover everything since the last commit: its
 first save after tracking starts (or after it was resized) hashes it and starts recording, and a
@@ -36,7 +39,7 @@ import torch
 from .. import kernels  # installed from kernels/, see pyproject
 from ..format.encodings import dense_chunk_elems
 from .hashing import Hasher
-from .marks import TableMode, TrackedTable
+from .marks import TableMode, TrackedTable, draw_rows
 from .rows import RowTracker, TrackedGroup
 
 log = logging.getLogger(__name__)
@@ -95,10 +98,7 @@ class ChangeTracker:
         self.rows = RowTracker()
         self._refs: dict[str, _Reference] = {}
         self._scanned: list[TrackedTable] = []  # tables of the last scan, for adopt
-        # The canary's own generator: drawing from torch's global one would change the training's
-        # random stream whenever a checkpoint is saved.
-        self._rng = torch.Generator()
-        self._rng.seed()
+        self._audited: set[int] = set()  # ids of the tables the last scan audited
 
     def chunk_elems(self, t: torch.Tensor) -> int:
         """Elements per dense chunk of ``t``, as its delta's chunks are stored."""
@@ -121,6 +121,7 @@ class ChangeTracker:
         whose marks are complete, from hashes for the rest."""
         out: dict[str, TensorChange] = {}
         self._scanned = []
+        self._audited = set()
         self.rows.poll()
         for group in self.rows.resolve(tensors):
             out.update(self._scan_group(group, tensors))
@@ -130,9 +131,11 @@ class ChangeTracker:
                 out[key] = self._scan_hashes(key, t)
         return out
 
-    def adopt(self, tensors: dict[str, torch.Tensor], changes: dict[str, TensorChange]) -> None:
+    def adopt(self, tensors: dict[str, torch.Tensor], changes: dict[str, TensorChange], *,
+              base: bool = False) -> None:
         """Makes the scanned hashes the reference and drops the marks the save used, after the
-        save that used them committed."""
+        save that used them committed; a ``base`` restarts the tables' audit counts (its change
+        sets come from :meth:`hash_whole`)."""
         refs = {}
         for key, t in tensors.items():
             ch = changes[key]
@@ -147,8 +150,19 @@ class ChangeTracker:
                                        ch.hashes if ch.hashes is not None else self.hash(t))
         self._refs = refs
         for table in self._scanned:
+            marked = table.mode is TableMode.ON and id(table) not in self._audited
+            table.deltas_since_audit = table.deltas_since_audit + 1 if marked and not base else 0
             table.committed()
         self._scanned = []
+        self._audited = set()
+
+    def hash_whole(self, tensors: dict[str, torch.Tensor],
+                   changes: dict[str, TensorChange]) -> dict[str, TensorChange]:
+        """A base's change sets, with the tensors whose set came from marks hashed whole: a
+        stray change the base stores is then no change to the next audit. Call it once the base
+        is staged, before the training changes the tensors again."""
+        return {k: TensorChange(ch.changed, self.hash(tensors[k])) if ch.partial else ch
+                for k, ch in changes.items()}
 
     def reset(self, tensors: dict[str, torch.Tensor]) -> None:
         """Takes ``tensors`` (just restored) as the reference; tracked tables' marks restart."""
@@ -156,6 +170,7 @@ class ChangeTracker:
         self._scanned = []
         self.rows.poll()  # marks from before the restore are stale
         for group in self.rows.resolve(tensors):
+            group.table.deltas_since_audit = 0
             group.table.restored(group.rows, tensors[group.keys[0]].device)
 
     # -- internals ------------------------------------------------------------------------------
@@ -175,6 +190,9 @@ class ChangeTracker:
         table.check_rows(group.rows)
         if table.mode is TableMode.ON:
             ids = table.take()
+            audit = table.canary.audit_every
+            if audit is not None and table.deltas_since_audit + 1 >= audit:
+                return self._audit(group, members, ids)
             missed = self._canary(group, members, ids)
             if not missed:
                 return {k: self._from_marks(k, t, ids) for k, t in members.items()}
@@ -185,6 +203,24 @@ class ChangeTracker:
             table.fall_back()
         table.hashed(group.rows, members[group.keys[0]].device)
         return {k: self._scan_hashes(k, t) for k, t in members.items()}
+
+    def _audit(self, group: TrackedGroup, members: dict[str, torch.Tensor],
+               ids: torch.Tensor) -> dict[str, TensorChange]:
+        """Hashes every row of a table whose marks are on and returns what the hashes find
+        (so the delta writes any stray change); a change no mark explains stops the marks."""
+        table = group.table
+        self._audited.add(id(table))
+        out = {k: self._scan_hashes(k, t) for k, t in members.items()}
+        missed = [k for k, ch in out.items() if ch.changed is not None and bool(
+            (~torch.isin(ch.changed, self._units(members[k], ids))).any())]
+        if missed:
+            log.warning(
+                "tracked table %r: the audit found %s changed in rows that no lookup marked "
+                "(weight decay, a dense optimizer update or a custom update?); this delta writes "
+                "them, and the table is hashed from now on", table.name, ", ".join(missed))
+            table.mode = TableMode.HASHING
+            table.stop()
+        return out
 
     def _from_marks(self, key: str, t: torch.Tensor, ids: torch.Tensor) -> TensorChange:
         ref = self._refs.get(key)
@@ -198,9 +234,8 @@ class ChangeTracker:
         """Keys whose sampled unmarked rows differ from the last commit."""
         if not group.rows:
             return []
-        sample = torch.randint(
-            0, group.rows, (group.table.canary.sample_size(group.rows),), generator=self._rng
-        )
+        table = group.table
+        sample = draw_rows(group.rows, table.canary.sample_size(group.rows), table.rng)
         if ids.numel():
             # numpy, on this thread, as in adopt
             at = np.searchsorted(ids.cpu().numpy(), sample.numpy()).clip(max=ids.numel() - 1)

@@ -23,32 +23,102 @@ from .. import kernels  # installed from kernels/, see pyproject
 
 @dataclass(frozen=True)
 class Canary:
-    """How many unmarked rows of a tracked table each delta re-hashes to check the marks.
+    """How a tracked table's marks are checked: a sample of its rows at each delta, and a full
+    audit every ``audit_every`` deltas and at each base.
 
-    A save that uses marks also hashes ``max(min_rows, ceil(fraction * rows))`` rows drawn at
-    random (at most every row), keeps those that are not marked, and compares their hashes with
-    the last commit's. An optimizer that changes untouched rows (weight decay, dense Adam) changes
-    nearly all of them, so a sample of a thousand rows finds it on the first delta; a rare stray
-    update to a few rows is found only with the probability that the sample hits one of them.
+    **Sample.** A save that uses marks draws ``s = sample_size(n)`` distinct rows of the table's
+    ``n`` rows, uniformly at random (without replacement), drops the marked ones and compares the
+    hashes of the rest with the last commit's. A stray change, one no lookup marked, to ``m`` rows
+    is found by one delta with probability::
+
+        P = 1 - C(n - m, s) / C(n, s)        (s / n for one row; 1 when s + m > n)
+
+    (:meth:`detection_probability`). With the defaults a table of up to 1,024 rows is checked
+    whole at every delta; one stray row in a table of a million rows is found by a given delta
+    with probability 1,024 / 10^6 = 0.1%, and one in 10^8 rows with probability 0.1% too
+    (``fraction``). An optimizer that changes untouched rows (weight decay, dense Adam) changes
+    nearly all of them, so the first delta finds it.
+
+    **Audit.** Every ``audit_every``-th delta since the table's last audit or base hashes every
+    row of the table and of its optimizer state, and that delta writes every row whose hash
+    changed: a stray change reaches the store at most ``audit_every`` deltas after it happened,
+    whatever the sample missed (the deltas in between lack it). A base writes every row anyway;
+    its commit hashes the tables whole, so later comparisons start from what it stored. An audit
+    costs a hash of the table (hashing runs ~5x faster than writing it).
+
+    Either way, a stray change found is logged as a warning naming the table, and the table is
+    hashed at every save from then on, so its deltas are exact.
 
     Attributes:
         fraction: share of the table's rows drawn per save, in [0, 1]. The default 0.1% costs
-            about a tenth of writing a 1% delta (hashing runs ~5x faster than writing).
+            about a tenth of writing a 1% delta.
         min_rows: rows drawn at least, >= 1, so a small table still gets a useful sample.
+        audit_every: deltas between full audits (>= 1), or None for no audit but at bases.
+        seed: seed of the table's draws (None: from the operating system), for reproducible
+            runs; the draws never touch torch's global generator.
+
+    Example:
+        >>> round(Canary().detection_probability(1_000_000, 1), 6)
+        0.001024
+        >>> Canary().detection_probability(1_000, 1)
+        1.0
     """
 
     fraction: float = 0.001
     min_rows: int = 1024
+    audit_every: int | None = 50
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.fraction <= 1:
             raise ValueError(f"fraction must be in [0, 1], got {self.fraction!r}")
         if not isinstance(self.min_rows, int) or self.min_rows < 1:
             raise ValueError(f"min_rows must be a positive int, got {self.min_rows!r}")
+        if self.audit_every is not None and (not isinstance(self.audit_every, int)
+                                             or self.audit_every < 1):
+            raise ValueError(f"audit_every must be a positive int or None, got {self.audit_every!r}")
 
     def sample_size(self, rows: int) -> int:
         """Rows to draw from a table of ``rows`` rows."""
         return min(rows, max(self.min_rows, math.ceil(self.fraction * rows)))
+
+    def detection_probability(self, rows: int, stray: int) -> float:
+        """The probability that one delta's sample finds a stray change to ``stray`` rows of a
+        table of ``rows`` rows: ``1 - C(rows - stray, s) / C(rows, s)``."""
+        s = self.sample_size(rows)
+        if stray <= 0:
+            return 0.0
+        if s + stray > rows:
+            return 1.0
+        missed = 1.0
+        for i in range(stray):  # C(n - m, s) / C(n, s) = prod (n - s - i) / (n - i)
+            missed *= (rows - s - i) / (rows - i)
+        return 1.0 - missed
+
+    def generator(self) -> torch.Generator:
+        """A generator for this canary's draws."""
+        gen = torch.Generator()
+        if self.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(self.seed)
+        return gen
+
+
+def draw_rows(rows: int, count: int, generator: torch.Generator) -> torch.Tensor:
+    """``count`` distinct row ids below ``rows`` (all of them if fewer), uniformly at random:
+    every subset of that size is equally likely. Costs O(count), not O(rows), when ``count`` is
+    small beside ``rows``."""
+    if count >= rows:
+        return torch.arange(rows)
+    if 4 * count >= rows:
+        return torch.randperm(rows, generator=generator)[:count]
+    picked = torch.empty(0, dtype=torch.int64)
+    while picked.numel() < count:
+        more = torch.randint(0, rows, (2 * (count - picked.numel()),), generator=generator)
+        picked = torch.unique(torch.cat([picked, more]))
+    # A uniform subset of a uniformly drawn set is uniform.
+    return picked[torch.randperm(picked.numel(), generator=generator)[:count]]
 
 
 class TableMode(enum.Enum):
@@ -57,7 +127,7 @@ class TableMode(enum.Enum):
     OFF = "off"  # no mask: the next save hashes the table and starts recording
     STARTING = "starting"  # recording since a hashing scan whose save has not committed
     ON = "on"  # the marks (plus pending ones) cover every change since the last commit
-    HASHING = "hashing"  # the canary found an unmarked change: hash this table from now on
+    HASHING = "hashing"  # the canary or an audit found an unmarked change: hash it from now on
 
 
 class TrackedTable:
@@ -81,6 +151,8 @@ class TrackedTable:
         self.param = param
         self.optimizer = optimizer
         self.canary = canary
+        self.rng = canary.generator()
+        self.deltas_since_audit = 0  # marks-based deltas committed since the last audit or base
         self.mode = TableMode.OFF
         self.mask: torch.Tensor | None = None
         # Rows taken from the mask by scans whose saves have not committed: a failed save's rows

@@ -286,6 +286,7 @@ class RowTracker:
             t.param = param if param is not None else t.param
             t.optimizer = optimizer if optimizer is not None else t.optimizer
             t.canary = canary
+            t.rng = canary.generator()
         for k in t.keys:
             self._tables[k] = t
         return t
