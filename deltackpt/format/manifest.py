@@ -22,10 +22,9 @@ from ..errors import ManifestError, StateError
 from ..quantization import QuantizationError, Rowwise
 from ..sharding import Box, check_tiling
 from . import dtypes
+from .grid import check_chunks
+from .limits import MAX_DEPTH, MAX_METADATA_BYTES, MAX_STEP, key_problem
 from .lossy import Lossy
-from .layout import chunk_key
-from .limits import (MAX_DEPTH, MAX_METADATA_BYTES, MAX_STEP, chunk_index, coded_size_fits,
-                     key_problem)
 
 FORMAT = 2
 LOSSY_FORMAT = 3  # format 2 plus quantized deltas: written only by a checkpointer with quantize=
@@ -206,24 +205,6 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
         raise ValueError(f"duplicate key {dup!r:.80}")
     return doc
-
-
-def chunk_bytes(rec: TensorRecord, part: PartRecord, name: str) -> tuple[int, bool]:
-    """The bytes chunk ``name`` of a part decodes to (its rows or elements, padded as stored),
-    and whether it is coded (blosc) rather than raw. ``name`` is a chunk of the part's grid."""
-    dtype = dtypes.from_name(rec.dtype)
-    itemsize = dtype.itemsize
-    coded = dtypes.compresses(dtype)
-    if rec.encoding == "chunks":
-        return part.chunk_shape[0] * itemsize, coded
-    if not part.shape:
-        return itemsize, coded
-    rows = part.chunk_shape[0]
-    if name.startswith("ids/"):
-        return rows * 8, True  # int64 row ids, coded like every integer array
-    if rec.encoding == "qrows":
-        return rows * part.chunk_shape[1], False  # raw uint8 rows of chunk_shape[1] bytes
-    return rows * math.prod(part.shape[1:]) * itemsize, coded
 
 
 def _field(doc: dict[str, Any], name: str, kinds: type | tuple[type, ...], where: str) -> Any:
@@ -414,42 +395,9 @@ def _parse_tensor(rec: Any, packs: dict[str, ChunkMap], fmt: int, where: str) ->
         raise ManifestError(f"{where}: encoding 'qrows' needs a 'lossy' record and a float dtype")
     tensor = TensorRecord(dtype=dtype, shape=tuple(shape), encoding=encoding, parts=parts, lossy=lossy)
     for i, part in enumerate(parts):
-        _check_chunks(tensor, part, f"{where} part {i}")
+        check_chunks(tensor, part, f"{where} part {i}")
     return tensor
 
-
-
-def _check_chunks(rec: TensorRecord, part: PartRecord, where: str) -> None:
-    """The part's chunks are the ones its grid needs, each of a size that fits its bytes."""
-    ndim = len(part.shape)
-    if rec.encoding in ("full", "rows") and part.chunk_shape[1:] != part.shape[1:]:
-        raise ManifestError(f"{where}: chunk_shape {list(part.chunk_shape)} must span the part's "
-                            f"other dimensions {list(part.shape[1:])}")
-    names = set(part.chunks) - {"zarr.json"}
-    if rec.encoding == "full":
-        n = -(-part.shape[0] // part.chunk_shape[0]) if ndim and math.prod(part.shape) else int(not ndim)
-        want = {chunk_key(i, ndim) for i in range(min(n, len(names) + 1))}
-    elif rec.encoding in ("rows", "qrows"):
-        n = -(-part.changed // part.chunk_shape[0])
-        rows = ("rows", ndim) if rec.encoding == "rows" else ("qrows", 2)
-        want = {f"{a}/{chunk_key(i, d)}" for i in range(min(n, len(names) + 1))
-                for a, d in (("ids", 1), rows)}
-    else:
-        n = -(-max(1, math.prod(part.shape)) // part.chunk_shape[0])
-        want = {name for name in names if (k := chunk_index(name, 1)) is not None and k < n}
-    if names != want or (rec.encoding != "chunks" and len(want) != n * (1 + (rec.encoding != "full"))):
-        bad = sorted(names - want) or sorted(want - names) or ["(more chunks than listed)"]
-        raise ManifestError(f"{where}: chunk {bad[0]!r:.60} is not one of the part's grid "
-                            f"({n} chunk(s) of {list(part.chunk_shape)} for {list(part.shape)})")
-    for name, entry in part.chunks.items():
-        if name == "zarr.json":
-            fits = entry[0] <= MAX_METADATA_BYTES
-        else:
-            decoded, coded = chunk_bytes(rec, part, name)
-            fits = coded_size_fits(entry[0], decoded) if coded else entry[0] == decoded
-        if not fits:
-            raise ManifestError(f"{where}: chunk {name!r} of {entry[0]} B cannot hold its place in "
-                                f"the grid ({list(part.chunk_shape)} of {rec.dtype})")
 
 
 

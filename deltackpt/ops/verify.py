@@ -17,7 +17,8 @@ import torch
 from ..errors import BrokenChainError, DeltackptError, IntegrityError, MissingChunkError
 from ..format.layout import STEPS
 from ..format.limits import coded_problem
-from ..format.manifest import Manifest, PartRecord, TensorRecord, chunk_bytes
+from ..format.grid import chunk_bytes
+from ..format.manifest import Manifest, PartRecord, TensorRecord
 from ..io.reader import chunk_path, fetch, fetch_file_in_pieces, file_size, stored_size
 from ..io.staging import StagingPool
 from ..quantization import Rowwise

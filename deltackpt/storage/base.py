@@ -93,12 +93,12 @@ class Storage(Protocol):
     def size(self, key: str) -> int | None:
         """Size of object ``key``, or None if absent."""
 
-    def list(self, prefix: str) -> list[str]:
-        """Names directly under ``prefix`` (objects, folders and anything else there), sorted."""
-
     def files(self, prefix: str) -> list[str]:
         """Names of the objects directly under ``prefix``, sorted: no folders, links or special
         files (a store's records are listed this way)."""
+
+    def list(self, prefix: str) -> list[str]:
+        """Names directly under ``prefix`` (objects, folders and anything else there), sorted."""
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Durably creates ``key`` with ``data`` unless it exists; returns whether it did."""

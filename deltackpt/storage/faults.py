@@ -58,11 +58,11 @@ class FaultInjection:
     def size(self, key: str) -> int | None:
         return self.inner.size(key)
 
-    def list(self, prefix: str) -> list[str]:
-        return self.inner.list(prefix)
-
     def files(self, prefix: str) -> list[str]:
         return self.inner.files(prefix)
+
+    def list(self, prefix: str) -> list[str]:
+        return self.inner.list(prefix)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         return self.inner.put_if_absent(key, data)

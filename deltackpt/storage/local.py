@@ -274,12 +274,6 @@ class LocalStorage:
             raise StoreError(None, f"{path} is not a regular file")
         return st.st_size
 
-    def list(self, prefix: str) -> list[str]:
-        return sorted(e.name for e in self._scan(prefix))
-
-    def files(self, prefix: str) -> list[str]:
-        return sorted(e.name for e in self._scan(prefix) if e.is_file(follow_symlinks=False))
-
     def _scan(self, prefix: str) -> list[os.DirEntry[str]]:
         path = self._path(prefix) if prefix else self.root
         self._no_links(path)
@@ -290,6 +284,12 @@ class LocalStorage:
             return []
         except OSError as e:
             raise _store_error(e, path) from e
+
+    def files(self, prefix: str) -> list[str]:
+        return sorted(e.name for e in self._scan(prefix) if e.is_file(follow_symlinks=False))
+
+    def list(self, prefix: str) -> list[str]:
+        return sorted(e.name for e in self._scan(prefix))
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         path = self._path(key)

@@ -88,17 +88,17 @@ class MemoryStorage:
             found = self._objects.get(key)
         return None if found is None else len(found[0])
 
-    def list(self, prefix: str) -> list[str]:
-        inside = f"{prefix}/" if prefix else ""
-        with self._lock:
-            names = {k[len(inside):].split("/", 1)[0] for k in self._objects if k.startswith(inside)}
-        return sorted(names)
-
     def files(self, prefix: str) -> list[str]:
         inside = f"{prefix}/" if prefix else ""
         with self._lock:
             names = {k[len(inside):] for k in self._objects if k.startswith(inside)}
         return sorted(n for n in names if "/" not in n)
+
+    def list(self, prefix: str) -> list[str]:
+        inside = f"{prefix}/" if prefix else ""
+        with self._lock:
+            names = {k[len(inside):].split("/", 1)[0] for k in self._objects if k.startswith(inside)}
+        return sorted(names)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         check_key(key)
