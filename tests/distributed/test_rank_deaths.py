@@ -8,6 +8,7 @@ import datetime
 import json
 import os
 import signal
+import threading
 
 import pytest
 import torch
@@ -39,15 +40,17 @@ class KillAt(FaultInjection):
         self.rank, self.k, self.log = rank, k, log
         self.seen: list[str] = []
         self.armed = False
+        self._lock = threading.Lock()  # points come from the I/O threads too
 
     def at_point(self, phase: str, key: str) -> None:
         if not self.armed or dist.get_rank() != self.rank:
             return
-        self.seen.append(phase)
-        with open(self.log, "w") as f:
-            json.dump(self.seen, f)
-        if len(self.seen) == self.k:
-            os.kill(os.getpid(), signal.SIGKILL)
+        with self._lock:
+            self.seen.append(phase)
+            with open(self.log, "w") as f:
+                json.dump(self.seen, f)
+            if len(self.seen) == self.k:
+                os.kill(os.getpid(), signal.SIGKILL)
 
 
 def job(rank: int, world: int, root: str, victim: int, k: int, log: str) -> dict:
