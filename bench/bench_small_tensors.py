@@ -1,0 +1,100 @@
+"""Many small tensors: a base, a one-row delta and a load of a state of N tiny tensors (an LLM's
+parameters, optimizer state and buffers), against ``torch.save`` / ``torch.load`` of the same
+state, with the files and the record size each base costs.
+
+Run: ``python bench/bench_small_tensors.py [--tensors 20000] [--repeat 3] [--dir DIR]``.
+Prints one line per measure (the best of ``--repeat`` runs), and ``--json`` prints them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+
+from deltackpt import Checkpointer, EveryK
+
+
+def small_state(n: int, seed: int = 0) -> dict:
+    """``n`` tensors in the shapes of a small transformer's pieces: biases, norms, small weights,
+    step counters, in groups of five per layer."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(64,), (64,), (16, 64), (64, 16), ()]
+    state = {}
+    for i in range(n):
+        shape = shapes[i % len(shapes)]
+        state[f"layer{i // len(shapes)}/p{i % len(shapes)}"] = torch.randn(shape, generator=gen)
+    return state
+
+
+def files_and_bytes(path: str) -> tuple[int, int]:
+    n = size = 0
+    for d, _, fs in os.walk(path):
+        for f in fs:
+            n += 1
+            size += os.path.getsize(os.path.join(d, f))
+    return n, size
+
+
+def run(n: int, where: str) -> dict[str, float]:
+    state = small_state(n)
+    out: dict[str, float] = {}
+    pt = os.path.join(where, "state.pt")
+    t0 = time.perf_counter()
+    torch.save(state, pt)
+    out["torch.save s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    torch.load(pt, weights_only=True)
+    out["torch.load s"] = time.perf_counter() - t0
+    root = os.path.join(where, "store")
+    with Checkpointer(root, policy=EveryK(1000)) as ckpt:
+        t0 = time.perf_counter()
+        ckpt.save(0, state)
+        out["base save s"] = time.perf_counter() - t0
+        files, nbytes = files_and_bytes(root)
+        out["base files"] = files
+        out["base bytes"] = nbytes
+        out["record bytes"] = os.path.getsize(os.path.join(root, "commits", f"{0:020d}.json"))
+        state["layer0/p2"][3, 5] += 1
+        t0 = time.perf_counter()
+        info = ckpt.save(1, state)
+        out["one-row delta s"] = time.perf_counter() - t0
+        assert info.kind == "delta", info
+    with Checkpointer(root, create=False) as ckpt:
+        t0 = time.perf_counter()
+        ckpt.load(1)
+        out["load s"] = time.perf_counter() - t0
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tensors", type=int, default=20_000)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--dir", default=None, help="where to write (default: a temp folder)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    best: dict[str, float] = {}
+    for _ in range(args.repeat):
+        where = tempfile.mkdtemp(dir=args.dir)
+        try:
+            for k, v in run(args.tensors, where).items():
+                best[k] = min(best.get(k, v), v)
+        finally:
+            shutil.rmtree(where)
+    best["base / torch.save"] = best["base save s"] / best["torch.save s"]
+    if args.json:
+        print(json.dumps({"tensors": args.tensors, **best}))
+        return
+    print(f"{args.tensors} tensors, best of {args.repeat}:")
+    for k, v in best.items():
+        print(f"  {k:<20} {v:.3f}" if isinstance(v, float) and v < 1000 else f"  {k:<20} {v:.0f}")
+
+
+if __name__ == "__main__":
+    main()
