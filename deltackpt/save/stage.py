@@ -14,6 +14,7 @@ so the coordinator and the rank that writes a part's chunks agree on the chunk g
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from concurrent.futures import Executor
 from dataclasses import replace
@@ -76,7 +77,7 @@ def _stage_whole(writer: StepWriter, pool: StagingPool, key: str, path: str, t: 
                  chunks: tuple[int, ...]) -> None:
     """Copies ``t`` chunk by chunk into staging buffers, each written and given back on its own."""
     rows = t.shape[0] if t.dim() else 1
-    flat = t.reshape(rows, -1)
+    flat = t.reshape(rows, math.prod(t.shape[1:]))  # -1 is ambiguous for a tensor without elements
     per_row = flat.shape[1]
     cr = chunks[0] if chunks else 1
     for i in range(-(-rows // cr) if t.numel() else 0):
