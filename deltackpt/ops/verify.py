@@ -15,9 +15,9 @@ from functools import partial
 import torch
 
 from ..errors import BrokenChainError, DeltackptError, IntegrityError, MissingChunkError
+from ..format.grid import chunk_bytes
 from ..format.layout import STEPS
 from ..format.limits import coded_problem
-from ..format.grid import chunk_bytes
 from ..format.manifest import Manifest, PartRecord, TensorRecord
 from ..io.reader import chunk_path, fetch, fetch_file_in_pieces, file_size, stored_size
 from ..io.staging import StagingPool
