@@ -1,6 +1,10 @@
 """A part's chunk grid, as a record lists it: which chunks a part must list and what each one's
 size may be, so the work and memory a record drives are bounded by the record itself and the
-real sizes of its files (see :mod:`deltackpt.format.limits`)."""
+real sizes of its files (see :mod:`deltackpt.format.limits`).
+
+A base part lists every chunk of its grid and a delta part every chunk it reads; a raw chunk
+has exactly the bytes of its place in the grid, a coded one at most those plus blosc's header.
+"""
 
 from __future__ import annotations
 
@@ -65,3 +69,15 @@ def check_chunks(rec: TensorRecord, part: PartRecord, where: str) -> None:
         if not fits:
             raise ManifestError(f"{where}: chunk {name!r} of {entry[0]} B cannot hold its place in "
                                 f"the grid ({list(part.chunk_shape)} of {rec.dtype})")
+
+
+def check_pack(files: dict[str, tuple[int, str]], where: str) -> None:
+    """A pack's files are ``c.0`` (or, in earlier stores, ``c.0``, ``c.1``, ... of one size)
+    and its ``zarr.json``."""
+    data = {f: e for f, e in files.items() if f != "zarr.json"}
+    size = data["c.0"][0] if "c.0" in data else 0
+    if (set(data) != {f"c.{i}" for i in range(len(data))} or size < 1
+            or any(e[0] != size for e in data.values())
+            or files.get("zarr.json", (0, ""))[0] > MAX_METADATA_BYTES):
+        raise ManifestError(f"{where} must be files c.0, c.1, ... of one size and its zarr.json, "
+                            f"got {sorted(files)!r:.120}")

@@ -13,6 +13,7 @@ grid implies before it is decompressed.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import numpy as np
 
@@ -45,6 +46,17 @@ def key_problem(key: str) -> str | None:
         if size > MAX_NAME_BYTES:
             return f"a component is {size} bytes long (at most {MAX_NAME_BYTES})"
     return None
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object from its pairs (``json.loads``'s ``object_pairs_hook``), refusing a
+    duplicate key: two readers could otherwise take different values from one record."""
+    doc = dict(pairs)
+    if len(doc) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"duplicate key {dup!r:.80}")
+    return doc
 
 
 def has_surrogate(text: str) -> bool:

@@ -3,11 +3,7 @@
 Format 2 is documented in ``docs/format.md``. Parsing is strict: a record that breaks the format
 raises :class:`ManifestError` naming the record and the field, never a deep traceback, and no
 size read from a record is trusted for an allocation before it is checked against the shape.
-A record is untrusted input (see :mod:`deltackpt.format.limits`): duplicate JSON keys, tensor keys
-that are no plain folder names and chunk names outside the part's chunk grid are refused; a base
-part lists every chunk of its grid and a delta part every chunk it reads, so the work a record
-drives is bounded by its own size, and each chunk's size must fit the bytes its place in the
-grid holds (exactly, for a raw chunk).
+A record is untrusted: see :mod:`deltackpt.format.limits` and :mod:`deltackpt.format.grid`.
 """
 
 from __future__ import annotations
@@ -22,8 +18,8 @@ from ..errors import ManifestError, StateError
 from ..quantization import QuantizationError, Rowwise
 from ..sharding import Box, check_tiling
 from . import dtypes
-from .grid import check_chunks
-from .limits import MAX_DEPTH, MAX_METADATA_BYTES, MAX_STEP, key_problem
+from .grid import check_chunks, check_pack
+from .limits import MAX_DEPTH, MAX_STEP, key_problem, unique_keys
 from .lossy import Lossy
 
 FORMAT = 2
@@ -188,7 +184,7 @@ class Manifest:
     def from_json(cls, data: bytes, where: str) -> Manifest:
         """Parses and validates a record; ``where`` names it in errors."""
         try:
-            doc = json.loads(data, parse_constant=_reject_constant, object_pairs_hook=_unique)
+            doc = json.loads(data, parse_constant=_reject_constant, object_pairs_hook=unique_keys)
         except (ValueError, RecursionError) as e:
             raise ManifestError(f"{where}: not valid JSON ({e})") from None
         return _parse(doc, where)
@@ -196,15 +192,6 @@ class Manifest:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
-
-
-def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    doc = dict(pairs)
-    if len(doc) != len(pairs):
-        seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise ValueError(f"duplicate key {dup!r:.80}")
-    return doc
 
 
 def _field(doc: dict[str, Any], name: str, kinds: type | tuple[type, ...], where: str) -> Any:
@@ -249,13 +236,7 @@ def _parse(doc: Any, where: str) -> Manifest:
         if not isinstance(files, dict) or not _PACK.match(name) or "c.0" not in files:
             raise ManifestError(f"{where}: pack {name!r:.40} has a bad entry {files!r:.80}")
         packs[name] = _chunk_map(files, f"{where}: pack {name!r}", packed=False)
-        data = {f: e for f, e in packs[name].items() if f != "zarr.json"}
-        size = data["c.0"][0]
-        if (set(data) != {f"c.{i}" for i in range(len(data))} or size < 1
-                or any(e[0] != size for e in data.values())
-                or packs[name].get("zarr.json", (0,))[0] > MAX_METADATA_BYTES):
-            raise ManifestError(f"{where}: pack {name!r} must be files c.0, c.1, ... of one size "
-                                f"and its zarr.json, got {sorted(files)!r:.120}")
+        check_pack(packs[name], f"{where}: pack {name!r}")
     tensors = {}
     for key, rec in _field(doc, "tensors", dict, where).items():
         if (why := key_problem(key)) is not None:
