@@ -12,8 +12,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from hostile import (chunk_file, cli, one_line_error, python, read_record, record_path, set_chunk,
-                     snapshot, write_record)
+from hostile import (chunk_file, cli, exit_code, one_line_error, python, read_record, record_path,
+                     set_chunk, snapshot, write_record)
 from numcodecs import Blosc
 
 from deltackpt import (Checkpointer, DeltackptError, LocalStorage, ManifestError, Retention,
@@ -223,7 +223,7 @@ def test_blosc_bomb_with_a_matching_checksum_is_not_decompressed(store, decoded)
         "print('verify', [p.kind for p in ckpt.verify(0).problems])\n"
     )
     proc = python(code)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert exit_code(proc) == 0, proc.stderr[-3000:]
     out = proc.stdout.splitlines()
     small = decoded < 1 << 20
     assert out[0].startswith("IntegrityError" if small else "ManifestError") and "ids" in out[0], out
@@ -238,7 +238,7 @@ def test_fifo_instead_of_a_file_does_not_hang(store, where):
     path.unlink()
     os.mkfifo(path)
     proc = cli("ls", str(store), "--json")
-    assert proc.returncode == 0, proc.stderr
+    assert exit_code(proc) == 0, proc.stderr
     rows = {r["step"]: r for r in json.loads(proc.stdout)}
     assert rows[0]["kind"] == "base"
     if where == "record":
@@ -246,7 +246,7 @@ def test_fifo_instead_of_a_file_does_not_hang(store, where):
     else:
         one_line_error(cli("restore", str(store), "--step", "0", "--out", str(store.parent / "o.pt")))
         proc = cli("verify", str(store), "--json")
-        assert proc.returncode == 1
+        assert exit_code(proc) == 1
         assert any("c.1" in p["key"] for p in json.loads(proc.stdout)["problems"])
 
 
@@ -258,7 +258,7 @@ def test_endless_device_as_record_or_chunk_is_refused(store):
     record_path(store, 1).unlink()
     os.symlink("/dev/zero", record_path(store, 1))
     proc = cli("ls", str(store), "--json")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert exit_code(proc) == 0, proc.stderr[-2000:]
     one_line_error(cli("restore", str(store), "--step", "0", "--out", str(store.parent / "o.pt")))
 
 
@@ -269,7 +269,7 @@ def test_records_larger_than_the_cap_are_refused_unread(store):
     with open(path, "r+b") as f:
         f.truncate(MAX_RECORD_BYTES + 1)  # sparse: no disk space, no memory
     proc = cli("ls", str(store), "--json")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert exit_code(proc) == 0, proc.stderr[-2000:]
     rows = {r["step"]: r for r in json.loads(proc.stdout)}
     assert rows[1]["kind"] == "unreadable" and "too large" in rows[1]["error"]
 
@@ -300,7 +300,7 @@ def test_ls_goes_on_past_an_unreadable_record(store):
         s["table"][0] += 1
         ckpt.save(2, s)
     proc = cli("ls", str(store), "--json")
-    assert proc.returncode == 0, proc.stderr
+    assert exit_code(proc) == 0, proc.stderr
     assert [r["step"] for r in json.loads(proc.stdout) if r["kind"] != "unreadable"] == [0, 2]
 
 

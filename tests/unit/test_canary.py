@@ -126,17 +126,17 @@ def test_an_audit_without_strays_keeps_the_marks(caplog):
 
 def test_a_base_rehashes_so_later_audits_compare_with_what_it_stored(caplog):
     # A stray change that a base stored must not look like a stray change to a later audit:
-    # the base hashes the table whole when it commits. One row sampled per delta (seeded), an
-    # audit at every third delta since the last base.
-    ckpt, table = _tracked(Canary(fraction=0.0, min_rows=1, audit_every=3, seed=3), base_every=2)
-    assert not _delta_with_strays(ckpt, table, 1, [], caplog)
+    # the base hashes the table whole once staged. One row sampled per delta (seeded), an audit
+    # at every third delta since the last audit or base, a base every fourth save.
+    ckpt, table = _tracked(Canary(fraction=0.0, min_rows=1, audit_every=3, seed=3), base_every=4)
+    for step in (1, 2, 3):  # 3 is an audit, of a table without strays
+        assert not _delta_with_strays(ckpt, table, step, [], caplog), step
     with torch.no_grad():
-        table[9] += 5  # stray, then a base (the second save of the chain)
+        table[9] += 5  # stray, then a base
     with caplog.at_level(logging.WARNING):
-        assert ckpt.save(2, {"m": ckpt.emb}).kind == "base"
-    assert torch.equal(ckpt.load(2)["m"]["weight"], table)
-    ckpt.policy = EveryK(1000)
-    for step in (3, 4, 5):  # 5 is the third delta since the base: an audit
+        assert ckpt.save(4, {"m": ckpt.emb}).kind == "base"
+    assert torch.equal(ckpt.load(4)["m"]["weight"], table)
+    for step in (5, 6, 7):  # 7 is the third delta since the base: an audit
         assert not _delta_with_strays(ckpt, table, step, [], caplog), step
         assert torch.equal(ckpt.load(step)["m"]["weight"], table)
     ckpt.close()
