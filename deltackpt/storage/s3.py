@@ -167,6 +167,12 @@ class S3Storage:
         except FileNotFoundError:
             return None
 
+    def files(self, prefix: str) -> list[str]:
+        inside = f"{self._root}{prefix}/" if prefix else self._root
+        found = self._call("files", prefix, lambda: self._obs.list_with_delimiter(
+            self._store, inside or None))
+        return sorted({o["path"].rsplit("/", 1)[-1] for o in found["objects"]})
+
     def list(self, prefix: str) -> list[str]:
         inside = f"{self._root}{prefix}/" if prefix else self._root
         found = self._call("list", prefix, lambda: self._obs.list_with_delimiter(
@@ -174,12 +180,6 @@ class S3Storage:
         names = {p.rstrip("/").rsplit("/", 1)[-1] for p in found["common_prefixes"]}
         names |= {o["path"].rsplit("/", 1)[-1] for o in found["objects"]}
         return sorted(names)
-
-    def files(self, prefix: str) -> list[str]:
-        inside = f"{self._root}{prefix}/" if prefix else self._root
-        found = self._call("files", prefix, lambda: self._obs.list_with_delimiter(
-            self._store, inside or None))
-        return sorted({o["path"].rsplit("/", 1)[-1] for o in found["objects"]})
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         self._check_conditional_writes()
