@@ -21,17 +21,19 @@ from .types import Kind, SavePlan
 
 
 def decide(policy: BasePolicy, head: Manifest | None, chain: ChainState, plan: GlobalPlan,
-           scans: list[PartScan], *, step: int, attempt: str, store: Store, lease: Holding,
-           quantize: Mapping[str, Choice] | None = None) -> SavePlan:
+           scans: list[PartScan], *, step: int, attempt: str, store: Store | None = None,
+           lease: Holding | None = None, quantize: Mapping[str, Choice] | None = None) -> SavePlan:
     """Base or delta by the policy, why, and the rows or chunks each part will hold; a delta
     quantizes the tensors ``quantize`` names.
 
     First the lease names ``head`` and ``attempt`` (GC keeps both from then on, see
     :mod:`deltackpt.ops.gc`); then a head that is gone from the store (removed by GC before, or
-    withdrawn by a writer that lost the lease) makes the save a base."""
-    lease.publish(None if head is None else (head.step, head.attempt), attempt)
+    withdrawn by a writer that lost the lease) makes the save a base. Without ``store`` and
+    ``lease`` (a simulation of the control plane) neither happens."""
+    if lease is not None:
+        lease.publish(None if head is None else (head.step, head.attempt), attempt)
     kind: Kind
-    if head is not None and not store.holds(head.step, head.attempt):
+    if head is not None and store is not None and not store.holds(head.step, head.attempt):
         kind, reason = Kind.BASE, (f"step {head.step}, which the delta would apply to, is gone "
                                    "(removed by gc, or withdrawn by a writer that lost the lease)")
     elif head is None:
