@@ -1,11 +1,11 @@
 """The control plane of a save at scale, simulated in one process: W ranks x T tensors.
 
 Drives the package's own control-plane code for every simulated rank, without processes or I/O:
-``plan_local`` on every rank's state (meta tensors: shapes without data), the coordinator's
+``plan_local`` on every rank's state (tensors allocated but never filled), the coordinator's
 ``GlobalPlanner``, ``write_items``, ``summarize`` (scan summaries), ``decide``,
 ``build_manifest`` and ``Manifest.to_json``, then ``Manifest.from_json`` as a restore or
 ``load`` parses and validates the record. What the writers would have written is made up from
-the plan (chunk sizes exact, data chunk checksums stand-ins); the metadata files' entries are real.
+the plan (chunk sizes exact, coded chunks at their largest size, data chunk checksums stand-ins); the metadata files' entries are real.
 
 Two saves: a base with a new layout (every local plan sent, a new global plan), then a delta
 with the layout unchanged (digests only, the plan cached) where ``--changed`` of each part's
@@ -40,6 +40,7 @@ from deltackpt import Shard
 from deltackpt.format import dtypes
 from deltackpt.format.encodings import Encoding, chunk_shape, dense_chunk_elems
 from deltackpt.format.layout import chunk_key, pack_name
+from deltackpt.format.limits import BLOSC_HEADER
 from deltackpt.format.manifest import ChunkMap, Manifest
 from deltackpt.format.zarr_meta import array_doc
 from deltackpt.policy import BasePolicy, ChainState, EveryK
@@ -91,12 +92,13 @@ class Job:
         return out
 
     def state(self, rank: int, step: int) -> dict[str, Any]:
-        """Rank ``rank``'s state, of meta tensors (the same at every step: the layout stays)."""
+        """Rank ``rank``'s state (the same at every step: the layout stays). Its tensors are never
+        filled: a save refuses meta tensors, and memory allocated but never touched costs no pages."""
         tensors: dict[str, Any] = {}
         for i, (name, scheme, shape, dtype) in enumerate(self.layout()):
             if scheme == "table":
                 if i % self.world == rank:
-                    tensors[name] = torch.empty(shape, dtype=dtype, device="meta")
+                    tensors[name] = torch.empty(shape, dtype=dtype)
                 continue
             if scheme == "row":
                 dim, ranks, at = 0, self.world, rank
@@ -112,7 +114,7 @@ class Job:
             local[dim] = hi - lo
             offset = [0, 0]
             offset[dim] = lo
-            tensors[name] = Shard(torch.empty(local, dtype=dtype, device="meta"),
+            tensors[name] = Shard(torch.empty(local, dtype=dtype),
                                   global_shape=shape, global_offset=tuple(offset))
         return {"tensors": tensors, "epoch": 0}
 
@@ -138,6 +140,11 @@ def _doc_entry(shape: tuple[int, ...], chunks: tuple[int, ...], dtype: torch.dty
     return len(doc), xxhash.xxh3_64_hexdigest(doc)
 
 
+def _stored(decoded: int, coded: bool) -> int:
+    """A chunk's stored size: raw, or a blosc chunk that could not compress (its largest size)."""
+    return decoded + BLOSC_HEADER if coded else decoded
+
+
 def _stand_in(*names: object) -> str:
     """A data chunk's checksum stand-in (the simulation has no data)."""
     return xxhash.xxh3_64_hexdigest(repr(names).encode())
@@ -154,17 +161,19 @@ def written(save: SavePlan, rank: int, items: tuple[WriteItem, ...], sizes: tupl
         enc = Encoding.of(save.kind, tuple(t.shape))
         cs = chunk_shape(enc, box.shape, t.element_size(), n, *sizes)
         row_bytes = math.prod(box.shape[1:]) * t.element_size()
+        coded = dtypes.compresses(t.dtype)
         chunks: ChunkMap = {}
         if enc == Encoding.FULL:
             rows, cr = (box.shape[0] if box.shape else 1), (cs[0] if cs else 1)
             for i in range(-(-rows // cr) if t.numel() else 0):
-                chunks[chunk_key(i, t.dim())] = (cr * row_bytes, _stand_in(it.key, it.part.path, i))
+                chunks[chunk_key(i, t.dim())] = (_stored(cr * row_bytes, coded), _stand_in(it.key, it.part.path, i))
         else:
             if enc == Encoding.ROWS:
-                names = [(f"ids/{chunk_key(i, 1)}", cs[0] * 8) for i in range(-(-n // cs[0]))]
-                names += [(f"rows/{chunk_key(i, t.dim())}", cs[0] * row_bytes) for i in range(-(-n // cs[0]))]
+                names = [(f"ids/{chunk_key(i, 1)}", _stored(cs[0] * 8, True)) for i in range(-(-n // cs[0]))]
+                names += [(f"rows/{chunk_key(i, t.dim())}", _stored(cs[0] * row_bytes, coded))
+                          for i in range(-(-n // cs[0]))]
             else:
-                names = [(chunk_key(i, 1), cs[0] * t.element_size()) for i in range(n)]
+                names = [(chunk_key(i, 1), _stored(cs[0] * t.element_size(), coded)) for i in range(n)]
             for name, size in names:
                 chunks[name] = (size, _stand_in(it.key, it.part.path, name), pack_size)
                 pack_size += size
