@@ -5,7 +5,8 @@ Drives the package's own control-plane code for every simulated rank, without pr
 ``GlobalPlanner``, ``write_items``, ``summarize`` (scan summaries), ``decide``,
 ``build_manifest`` and ``Manifest.to_json``, then ``Manifest.from_json`` as a restore or
 ``load`` parses and validates the record. What the writers would have written is made up from
-the plan (chunk sizes exact, coded chunks at their largest size, data chunk checksums stand-ins); the metadata files' entries are real.
+the plan (chunk sizes exact, coded chunks at their largest size, data chunk checksums
+stand-ins); the metadata files' entries are real.
 
 Two saves: a base with a new layout (every local plan sent, a new global plan), then a delta
 with the layout unchanged (digests only, the plan cached) where ``--changed`` of each part's
@@ -166,7 +167,8 @@ def written(save: SavePlan, rank: int, items: tuple[WriteItem, ...], sizes: tupl
         if enc == Encoding.FULL:
             rows, cr = (box.shape[0] if box.shape else 1), (cs[0] if cs else 1)
             for i in range(-(-rows // cr) if t.numel() else 0):
-                chunks[chunk_key(i, t.dim())] = (_stored(cr * row_bytes, coded), _stand_in(it.key, it.part.path, i))
+                chunks[chunk_key(i, t.dim())] = (_stored(cr * row_bytes, coded),
+                                                 _stand_in(it.key, it.part.path, i))
         else:
             if enc == Encoding.ROWS:
                 names = [(f"ids/{chunk_key(i, 1)}", _stored(cs[0] * 8, True)) for i in range(-(-n // cs[0]))]

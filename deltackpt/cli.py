@@ -337,9 +337,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="deltackpt",
-        description="Incremental checkpoints of sparse PyTorch models in a zarr v3 store.",
-    )
+        prog="deltackpt", description="Incremental checkpoints of sparse PyTorch models in a zarr v3 store.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("ls", help="list committed steps")

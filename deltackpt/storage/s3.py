@@ -101,6 +101,7 @@ class S3Storage:
             self.on_point(phase, key)
 
     def write(self, key: str, parts: Iterable[memoryview]) -> None:
+        check_key(key)
         self.point("write_chunk", key)
         # Each part is copied as it comes: a writer may reuse a part's memory for the next one
         # (a pack streams through one staging buffer), and the request goes out only at the end.
@@ -159,6 +160,7 @@ class S3Storage:
             return size
 
     def read(self, key: str) -> bytes:
+        check_key(key)
         return bytes(self._call("read", key, lambda: self._obs.get(self._store, self._root + key).bytes()))
 
     def size(self, key: str) -> int | None:
@@ -182,6 +184,7 @@ class S3Storage:
         return sorted(names)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
+        check_key(key)
         self._check_conditional_writes()
         self.point("write_manifest_tmp", key)
         self.point("rename_manifest", key)
@@ -255,6 +258,7 @@ class S3Storage:
         return total, newest
 
     def delete_tree(self, prefix: str) -> None:
+        check_key(prefix)
         self.point("gc_delete", prefix)
         paths = [m["path"] for m in self._objects_under(prefix)]
         # Servers that keep a file system behind S3 (SeaweedFS) list a folder emptied this way
