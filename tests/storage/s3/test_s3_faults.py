@@ -14,14 +14,13 @@ import time
 import uuid
 
 import pytest
-
-from deltackpt.ops import lease
 import torch
 from s3_proxy import Fault, S3Proxy
 from s3_saver import reference
 from s3_server import BUCKET
 
 from deltackpt import Checkpointer, DeltackptError
+from deltackpt.ops import lease
 from deltackpt.ops.gc import Retention
 from deltackpt.storage import open_storage
 
