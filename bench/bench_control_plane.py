@@ -46,11 +46,11 @@ from deltackpt.format.manifest import ChunkMap, Manifest
 from deltackpt.format.zarr_meta import array_doc
 from deltackpt.policy import BasePolicy, ChainState, EveryK
 from deltackpt.save.commit import build_manifest
-from deltackpt.save.decide import decide
+from deltackpt.save.decide import counts, decide
 from deltackpt.save.local import plan_local, write_items
 from deltackpt.save.planner import GlobalPlan, GlobalPlanner, PartPlan
 from deltackpt.save.scan import PartScan, summarize
-from deltackpt.save.types import Kind, LocalState, SavePlan, WriteItem, WriteResult
+from deltackpt.save.types import Committed, Kind, LocalState, SavePlan, WriteItem, WriteResult
 from deltackpt.tracking.changes import TensorChange, is_row_sparse
 
 MiB = 1 << 20
@@ -151,14 +151,15 @@ def _stand_in(*names: object) -> str:
     return xxhash.xxh3_64_hexdigest(repr(names).encode())
 
 
-def written(save: SavePlan, rank: int, items: tuple[WriteItem, ...], sizes: tuple[int, int], *,
-            coordinator: bool) -> WriteResult:
-    """What ``rank``'s writers report for ``items`` (and the coordinator for the metadata)."""
+def written(save: SavePlan, rank: int, items: tuple[WriteItem, ...], held: Mapping[tuple[str, str], int],
+            sizes: tuple[int, int], *, plan: GlobalPlan | None) -> WriteResult:
+    """What ``rank``'s writers report for ``items``, holding ``held`` rows or chunks (and the
+    coordinator, which passes ``plan``, for the metadata)."""
     files: dict[tuple[str, str], ChunkMap] = {}
     pack_size = 0
     for it in items:
         t, box = it.tensor, it.part.box
-        n = save.changed[(it.key, it.part.path)]
+        n = held[(it.key, it.part.path)]
         enc = Encoding.of(save.kind, tuple(t.shape))
         cs = chunk_shape(enc, box.shape, t.element_size(), n, *sizes)
         row_bytes = math.prod(box.shape[1:]) * t.element_size()
@@ -180,12 +181,12 @@ def written(save: SavePlan, rank: int, items: tuple[WriteItem, ...], sizes: tupl
                 chunks[name] = (size, _stand_in(it.key, it.part.path, name), pack_size)
                 pack_size += size
         files[(it.key, it.part.path)] = chunks
-    if coordinator and save.kind == Kind.BASE:
-        for tp in save.plan.tensors.values():
+    if plan is not None and save.kind == Kind.BASE:
+        for tp in plan.tensors.values():
             dtype = dtypes.from_name(tp.dtype)
             for p in tp.parts:
                 cs = chunk_shape(Encoding.FULL, p.box.shape, dtype.itemsize,
-                                 save.changed[(tp.key, p.path)], *sizes)
+                                 p.box.shape[0] if p.box.shape else 1, *sizes)
                 files.setdefault((tp.key, p.path), {})["zarr.json"] = _doc_entry(p.box.shape, cs, dtype)
     packs: dict[str, ChunkMap] = {}
     if pack_size:
@@ -200,8 +201,9 @@ def written(save: SavePlan, rank: int, items: tuple[WriteItem, ...], sizes: tupl
 
 @dataclass
 class Phase:
-    """One phase: seconds on the coordinator (or summed over ranks, with the slowest rank), and
-    the bytes one rank sends and receives."""
+    """One phase: seconds on the coordinator (or summed over ranks, with the slowest rank), the
+    bytes one rank sends (the largest message), the bytes the coordinator receives and the bytes
+    every other rank receives."""
 
     name: str
     where: str
@@ -209,6 +211,7 @@ class Phase:
     max_rank_seconds: float = 0.0
     sent_max: int = 0
     received: int = 0
+    rank_received: int = 0
     peak_rss_mib: float = 0.0
 
 
@@ -229,14 +232,27 @@ class Run:
             print(f"  {phase.name}: {phase.seconds:.2f} s", file=sys.stderr, flush=True)
         return phase
 
+    def rank_received(self, step: int) -> int:
+        """Bytes a rank other than the coordinator receives in the save of ``step``."""
+        return sum(p.rank_received for p in self.phases if p.name.startswith(f"{step}: "))
+
 
 def _wire(value: Any) -> int:
     return len(pickle.dumps((True, value)))
 
 
-def _gather(run: Run, name: str, per_rank: list[Any], seconds: list[float]) -> None:
+def _gather(run: Run, name: str, per_rank: list[Any], seconds: list[float], *, everyone: bool) -> None:
+    """Every rank's message to the coordinator, or with ``everyone`` to every rank (an
+    all-gather)."""
     sizes = [_wire(v) for v in per_rank]
-    run.add(Phase(name, "every rank", sum(seconds), max(seconds), max(sizes), sum(sizes)))
+    run.add(Phase(name, "every rank", sum(seconds), max(seconds), max(sizes), sum(sizes),
+                  sum(sizes) if everyone else 0))
+
+
+def _broadcast(run: Run, name: str, value: Any, seconds: float, unpickle: float = 0.0) -> None:
+    """The coordinator's ``value`` to every rank."""
+    n = _wire(value)
+    run.add(Phase(name, "coordinator", seconds, unpickle, n, 0, n))
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -262,37 +278,41 @@ def simulate(world: int, state_of: StateOf, *, changed: Changed, sizes: tuple[in
             digests[r] = local.digest
             locals_[r] = local
             seconds.append(s)
-        _gather(run, f"{step}: plan_local", sent, seconds)
+        _gather(run, f"{step}: plan_local", sent, seconds, everyone=True)
         fresh, s = _timed(lambda: planner.update(sent, lambda _: None))
         message = pickle.dumps((True, fresh))
         _, unpickle = _timed(lambda: pickle.loads(message))
-        run.add(Phase(f"{step}: plan_global", "coordinator", s, unpickle, len(message), len(message)))
+        _broadcast(run, f"{step}: plan_global", fresh, s, unpickle)
         plan = planner.adopt(sent, fresh)
         run.plans.append(plan)
         items = _owned(run, plan, world, locals_, sample)
-        # scan, on every rank: a summary of each part it writes.
+        # scan, on every rank: a summary of each part it writes, to the coordinator.
         scans, seconds = [], []
         for r in range(world):
             out, s = _timed(lambda: _scan(items[r], changed if head is not None else None, sizes))
             scans.append(out)
             seconds.append(s)
-        _gather(run, f"{step}: scan", scans, seconds)
-        save, s = _timed(lambda: decide(policy, head, chain, plan, [x for per in scans for x in per],
-                                        step=step, attempt=f"{step}-sim"))
-        run.add(Phase(f"{step}: decide", "coordinator", s, 0.0, _wire(save), _wire(save)))
+        _gather(run, f"{step}: scan", scans, seconds, everyone=False)
+        everyone = [x for per in scans for x in per]
+        save, s = _timed(lambda: decide(policy, head, chain, plan, everyone, step=step, attempt=f"{step}-sim"))
+        _broadcast(run, f"{step}: decide", save, s)
         results, seconds = [], []
         for r in range(world):
-            out, s = _timed(lambda: written(save, r, items[r], sizes, coordinator=r == 0))
+            out, s = _timed(lambda: written(save, r, items[r], counts(save.kind, ((i.key, i.part) for i in items[r]),
+                                                                      scans[r]),
+                                            sizes, plan=plan if r == 0 else None))
             results.append(out)
             seconds.append(s)
-        _gather(run, f"{step}: write results", results, seconds)
+        _gather(run, f"{step}: write results", results, seconds, everyone=False)
         record, s = _timed(lambda: build_manifest(
-            save, results, head=head, world_size=world,
+            save, plan, counts(save.kind, plan.parts(), everyone), results, head=head, world_size=world,
             policy={"name": policy.name, "decision": str(save.kind), "reason": save.reason}, sizes=sizes))
         run.add(Phase(f"{step}: build_manifest", "coordinator", s))
         data, s = _timed(record.to_json)
-        run.add(Phase(f"{step}: to_json", "coordinator", s, 0.0, len(data), len(data)))
-        del results, scans, items, locals_, sent
+        run.add(Phase(f"{step}: to_json", "coordinator", s, 0.0, len(data)))
+        rows = sum(r.changed for r in record.tensors.values() if len(r.shape) >= 2)
+        _broadcast(run, f"{step}: commit", Committed(record.bytes_written, record.state_bytes, rows), 0.0)
+        del results, scans, everyone, items, locals_, sent
         parsed, s = _timed(lambda: Manifest.from_json(data, f"commits/{step}"))
         run.add(Phase(f"{step}: from_json (restore, load)", "every reader", s, 0.0, 0, len(data)))
         run.records.append(parsed)
@@ -337,14 +357,18 @@ def _scan(items: tuple[WriteItem, ...], changed: Changed | None, sizes: tuple[in
 
 def table(run: Run, job: Job) -> str:
     lines = [f"W = {job.world} ranks x T = {job.tensors} tensors, mix {job.mix}; "
-             f"records {', '.join(f'{b / MiB:.1f} MiB' for b in run.record_bytes)}",
+             f"records {', '.join(f'{b / MiB:.1f} MiB' for b in run.record_bytes)}; received by a "
+             f"rank other than the coordinator: {run.rank_received(1) / 1e6:.3f} MB (new layout), "
+             f"{run.rank_received(2) / 1e6:.3f} MB (a later save)",
              "", "| phase | where | s (coordinator / per rank mean) | s (slowest rank / unpickle) "
-             "| MB sent by a rank (max) | MB received per rank | peak RSS MiB |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             "| MB sent by a rank (max) | MB received by the coordinator | MB received by another rank "
+             "| peak RSS MiB |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for p in run.phases:
         mean = p.seconds / job.world if p.where == "every rank" and "write_items" not in p.name else p.seconds
         lines.append(f"| {p.name} | {p.where} | {mean:.4f} | {p.max_rank_seconds:.4f} | "
-                     f"{p.sent_max / 1e6:.3f} | {p.received / 1e6:.3f} | {p.peak_rss_mib:.0f} |")
+                     f"{p.sent_max / 1e6:.3f} | {p.received / 1e6:.3f} | {p.rank_received / 1e6:.3f} | "
+                     f"{p.peak_rss_mib:.0f} |")
     return "\n".join(lines)
 
 

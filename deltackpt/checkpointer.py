@@ -6,12 +6,16 @@ per phase, each over the frozen values of the ones before:
 1. ``plan_local`` (all ranks): flatten the state; each rank's plan lists its tensors' boxes.
 2. ``plan_global`` (coordinator): check the step, validate the boxes and give every distinct box
    one writer (:mod:`deltackpt.save.planner`); cached while no rank's local plan changes.
-3. ``scan`` (all): each rank finds what changed in the parts it writes.
-4. ``decide`` (coordinator): base or delta by the policy: the :class:`~deltackpt.save.types.SavePlan`.
+3. ``scan`` (all): each rank finds what changed in the parts it writes; its summary goes to the
+   coordinator alone.
+4. ``decide`` (coordinator): base or delta by the policy: the small
+   :class:`~deltackpt.save.types.SavePlan`, sent to every rank.
 5. ``stage`` (all): each rank copies what it writes into staging buffers, queuing their writes;
    the coordinator adds every array's metadata. After it, nothing reads the live state.
-6. ``write`` (all): each rank waits for its writes and makes them durable.
-7. ``commit`` (coordinator): the commit record, created only if absent.
+6. ``write`` (all): each rank waits for its writes and makes them durable; what it wrote goes to
+   the coordinator alone.
+7. ``commit`` (coordinator): the commit record, created only if absent; every rank learns its
+   totals (:class:`~deltackpt.save.types.Committed`), not the record.
 
 A failure in any phase on any rank raises :class:`CheckpointAborted` on every rank; nothing is
 committed, and the change trackers keep their state, so the next save carries the changes.

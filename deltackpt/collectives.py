@@ -25,6 +25,7 @@ from .errors import REQUEST_ERRORS, CheckpointAborted
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 K = TypeVar("K")
+R = TypeVar("R")
 
 
 class Collective:
@@ -93,15 +94,60 @@ class Collective:
             if not outcome[0]:
                 raise outcome[1]
             return outcome[1]
-        box = [_portable(outcome)]
-        src = dist.get_global_rank(self.group, self.coordinator)
-        self._exchange(phase, lambda: dist.broadcast_object_list(box, src=src, group=self.group))
-        ok, value = box[0]
+        ok, value = self._broadcast(phase, outcome)
         if not ok:
             if isinstance(value, REQUEST_ERRORS):
                 raise value  # a bad request (an unknown step, ...), the same on every rank
             raise CheckpointAborted({self.coordinator: (phase, _describe(value))})
         return value
+
+    def gather(self, phase: str, fn: Callable[[], tuple[T, K]], then: Callable[[list[T]], R],
+               *, then_phase: str) -> tuple[R, K]:
+        """Runs ``fn``, which returns ``(sent, kept)``, on every rank; the coordinator alone
+        receives every rank's ``sent``, by rank, and runs ``then`` on them; its result (or error)
+        reaches every rank, beside this rank's ``kept``. No rank but the coordinator receives
+        another rank's message: the traffic per rank is ``then``'s result.
+
+        Raises:
+            CheckpointAborted: ``fn`` failed on some rank (every failing rank is listed), ``then``
+                failed on the coordinator, or a peer died or timed out.
+            DeltackptError: in a world of one, ``fn``'s or ``then``'s own error, unchanged; on
+                any world, ``then``'s error when it is a bad request (``REQUEST_ERRORS``).
+        """
+        kept: list[K] = []
+
+        def run() -> T:
+            sent, keep = fn()
+            kept.append(keep)
+            return sent
+
+        outcome = _run(run)
+        if self.size == 1:
+            if not outcome[0]:
+                raise outcome[1]
+            return then([outcome[1]]), kept[0]
+        gathered: list[Any] | None = [None] * self.size if self.is_coordinator else None
+        dst = dist.get_global_rank(self.group, self.coordinator)
+        self._exchange(phase, lambda: dist.gather_object(_portable(outcome), gathered, dst=dst,
+                                                         group=self.group))
+        result: tuple[bool, Any] = (True, None)
+        if gathered is not None:
+            failures = {r: (phase, _describe(v)) for r, (ok, v) in enumerate(gathered) if not ok}
+            result = (False, CheckpointAborted(failures)) if failures else _run(
+                lambda: then([v for _, v in gathered]))
+        ok, value = self._broadcast(then_phase, result)
+        if not ok:
+            if isinstance(value, (CheckpointAborted, *REQUEST_ERRORS)):
+                raise value
+            raise CheckpointAborted({self.coordinator: (then_phase, _describe(value))})
+        return value, kept[0]
+
+    def _broadcast(self, phase: str, outcome: tuple[bool, Any]) -> tuple[bool, Any]:
+        """The coordinator's ``outcome``, on every rank."""
+        box = [_portable(outcome)]
+        src = dist.get_global_rank(self.group, self.coordinator)
+        self._exchange(phase, lambda: dist.broadcast_object_list(box, src=src, group=self.group))
+        return box[0]
 
     def _exchange(self, phase: str, op: Callable[[], None]) -> None:
         try:

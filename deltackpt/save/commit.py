@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from ..errors import StateError, StepExistsError, WriterConflictError
@@ -23,16 +24,19 @@ from ..ops.lease import read as read_lease
 from ..store import Store
 from ..quantization import Rowwise
 from .decide import itemsize, part_chunk_shape, tensor_bytes
+from .planner import GlobalPlan
 from .types import Kind, SavePlan, WriteResult
 
 
-def build_manifest(save: SavePlan, results: list[WriteResult], *, head: Manifest | None,
-                   world_size: int, policy: dict[str, Any], sizes: tuple[int, int],
+def build_manifest(save: SavePlan, plan: GlobalPlan, changed: Mapping[tuple[str, str], int],
+                   results: list[WriteResult], *, head: Manifest | None, world_size: int,
+                   policy: dict[str, Any], sizes: tuple[int, int],
                    restores: int | None = None) -> Manifest:
-    """The commit record of a save: every part with the chunks every rank wrote for it, and
-    the files of every pack; each lossy tensor's scheme and bounds, and with ``restores`` (the
-    checkpointer has ``quantize=``) the quantization decisions, in a format-3 record."""
-    step, kind, attempt, plan, changed = save.step, save.kind, save.attempt, save.plan, save.changed
+    """The commit record of a save: every part of ``plan``, holding ``changed`` rows or chunks
+    (by tensor key and part path), with the chunks every rank wrote for it, and the files of
+    every pack; each lossy tensor's scheme and bounds, and with ``restores`` (the checkpointer
+    has ``quantize=``) the quantization decisions, in a format-3 record."""
+    step, kind, attempt = save.step, save.kind, save.attempt
     files: dict[tuple[str, str], ChunkMap] = {}
     packs: dict[str, ChunkMap] = {}
     bounds: dict[str, float] = {}
@@ -95,12 +99,13 @@ def lossy_record(kind: Kind, key: str, head: Manifest | None, rule: Rowwise | No
     return Lossy(None, 0.0, carried) if carried > 0 else None
 
 
-def commit(store: Store, save: SavePlan, results: list[WriteResult], *, head: Manifest | None,
-           world_size: int, policy: str, sizes: tuple[int, int], lease: Holding | None,
+def commit(store: Store, save: SavePlan, plan: GlobalPlan, changed: Mapping[tuple[str, str], int],
+           results: list[WriteResult], *, head: Manifest | None, world_size: int, policy: str,
+           sizes: tuple[int, int], lease: Holding | None,
            restores: int | None = None) -> Manifest | None:
-    """Coordinator: the commit record from every rank's files, created only if absent while
-    ``lease`` holds, and kept only if ``lease`` still holds and the parent is still there once
-    the record exists. None when the parent was gone (nothing is committed then).
+    """Coordinator: the commit record from every rank's files (see :func:`build_manifest`),
+    created only if absent while ``lease`` holds, and kept only if ``lease`` still holds and the
+    parent is still there once the record exists. None when the parent was gone (nothing is committed then).
 
     Raises:
         WriterConflictError: another writer took the lease over (the record is withdrawn unless
@@ -108,7 +113,7 @@ def commit(store: Store, save: SavePlan, results: list[WriteResult], *, head: Ma
         StepExistsError: another writer committed the step meanwhile.
     """
     manifest = build_manifest(
-        save, results, head=head, world_size=world_size,
+        save, plan, changed, results, head=head, world_size=world_size,
         policy={"name": policy, "decision": str(save.kind), "reason": save.reason}, sizes=sizes,
         restores=restores)
     if lease is None:

@@ -1,9 +1,9 @@
-"""The decide phase of a save, on the coordinator: base or delta, and what each part holds."""
+"""The decide phase of a save, on the coordinator: base or delta; and what each part holds."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -15,7 +15,7 @@ from ..ops.lease import Holding
 from ..policy import BasePolicy, ChainState
 from ..quantization import Choice, Rowwise
 from ..store import Store
-from .planner import GlobalPlan, TensorPlan
+from .planner import GlobalPlan, PartPlan, TensorPlan
 from .scan import PartScan
 from .types import Kind, SavePlan
 
@@ -23,8 +23,7 @@ from .types import Kind, SavePlan
 def decide(policy: BasePolicy, head: Manifest | None, chain: ChainState, plan: GlobalPlan,
            scans: list[PartScan], *, step: int, attempt: str, store: Store | None = None,
            lease: Holding | None = None, quantize: Mapping[str, Choice] | None = None) -> SavePlan:
-    """Base or delta by the policy, why, and the rows or chunks each part will hold; a delta
-    quantizes the tensors ``quantize`` names.
+    """Base or delta by the policy, and why; a delta quantizes the tensors ``quantize`` names.
 
     First the lease names ``head`` and ``attempt`` (GC keeps both from then on, see
     :mod:`deltackpt.ops.gc`); then a head that is gone from the store (removed by GC before, or
@@ -44,13 +43,17 @@ def decide(policy: BasePolicy, head: Manifest | None, chain: ChainState, plan: G
         full_bytes = sum(tensor_bytes(t) for t in plan.tensors.values())
         decision = policy.decide(chain, sum(s.delta_bytes for s in scans), full_bytes)
         kind, reason = Kind(decision.kind), decision.reason
+    return SavePlan(step, kind, reason, attempt, dict(quantize or {}) if kind == Kind.DELTA else {})
+
+
+def counts(kind: Kind, parts: Iterable[tuple[str, PartPlan]], scans: Iterable[PartScan]
+           ) -> dict[tuple[str, str], int]:
+    """Rows or chunks each part holds in a step of ``kind``, by (tensor key, part path): in a
+    base every row of ``parts``, in a delta what ``scans`` found changed. A rank passes its own
+    parts and scans; the coordinator every part and every rank's scans, for the record."""
     if kind == Kind.BASE:
-        changed = {(t.key, p.path): p.box.shape[0] if p.box.shape else 1
-                   for t in plan.tensors.values() for p in t.parts}
-    else:
-        changed = {(s.key, s.path): s.changed for s in scans}
-    return SavePlan(step, kind, reason, attempt, plan, changed,
-                    dict(quantize or {}) if kind == Kind.DELTA else {})
+        return {(key, p.path): p.box.shape[0] if p.box.shape else 1 for key, p in parts}
+    return {(s.key, s.path): s.changed for s in scans}
 
 
 def itemsize(dtype_name: str) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from .. import statetree
@@ -71,6 +71,10 @@ class GlobalPlan:
 
     tensors: dict[str, TensorPlan]
     tree: dict
+
+    def parts(self) -> Iterator[tuple[str, PartPlan]]:
+        """Every part, with its tensor's key."""
+        return ((t.key, p) for t in self.tensors.values() for p in t.parts)
 
     def owned(self, rank: int) -> list[tuple[TensorPlan, PartPlan]]:
         """The parts ``rank`` writes."""

@@ -29,12 +29,12 @@ from ..quantization import QuantizePlan
 from ..store import Store
 from ..tracking.changes import ChangeTracker, TensorChange
 from .commit import commit
-from .decide import decide
+from .decide import counts, decide
 from .local import plan_local, write_items
 from .planner import GlobalPlan, GlobalPlanner, LocalPlan
-from .scan import scan
+from .scan import PartScan, scan
 from .stage import open_writer, stage, write
-from .types import Kind, LocalState, SaveInfo, SavePlan
+from .types import Committed, Kind, LocalState, SaveInfo, SavePlan, WriteResult
 
 log = logging.getLogger(__name__)
 
@@ -81,18 +81,28 @@ class Saver:
         plan = self._global_plan(sent)
         self._sent_digest = local.digest
         items = write_items(plan, self._coll.rank, local)
-        scans, changes = self._coll.each("scan", lambda: scan(self._tracker, items, self._quantize))
-        save = self._coll.one("decide", lambda: decide(
-            self.policy, self._head, self._chain, plan, [s for per_rank in scans for s in per_rank],
-            step=step, attempt=self.store.new_attempt(step), store=self.store,
-            lease=self._lease.hold(), quantize=self._quantize.choices(plan.tensors)))
+        everyone: list[PartScan] = []  # the coordinator's: every rank's scans, for the record
+
+        def decide_now(scans: list[list[PartScan]]) -> SavePlan:
+            everyone.extend(s for per_rank in scans for s in per_rank)
+            return decide(self.policy, self._head, self._chain, plan, everyone, step=step,
+                          attempt=self.store.new_attempt(step), store=self.store,
+                          lease=self._lease.hold(), quantize=self._quantize.choices(plan.tensors))
+
+        def scan_here() -> tuple[list[PartScan], tuple[list[PartScan], Mapping[str, TensorChange]]]:
+            scans, changes = scan(self._tracker, items, self._quantize)
+            return scans, (scans, changes)
+
+        save, (mine, changes) = self._coll.gather("scan", scan_here, decide_now, then_phase="decide")
+        coordinator = self._coll.is_coordinator
         writers = [open_writer(storage, save, self._coll.rank, self._pool, self._executor)]
-        if self._coll.is_coordinator:
+        if coordinator:
             writers.append(StepWriter(storage, f"{STEPS}/{save.attempt}", self._pool, self._executor))
+        held = counts(save.kind, ((it.key, it.part) for it in items), mine)
         try:
             _, staged = self._coll.each("stage", lambda: (None, stage(
-                writers, self._pool, save, items, changes, self._sizes,
-                coordinator=self._coll.is_coordinator)))
+                writers, self._pool, save, items, changes, held, self._sizes,
+                plan=plan if coordinator else None)))
         except BaseException:
             for w in writers:  # another rank failed: end the writes staged here
                 w.abandon()
@@ -100,32 +110,48 @@ class Saver:
         tensors = {it.key: it.tensor for it in items}
         if save.kind == Kind.BASE:  # hashed now, as staged: the background may run on after
             staged = self._tracker.hash_whole(tensors, staged)
-        return partial(self._write_and_commit, save, writers, tensors, staged, t0)
+        record = partial(self._commit, save, plan, everyone)
+        return partial(self._write_and_commit, save, record, writers, tensors, staged, t0)
 
-    def _write_and_commit(self, save: SavePlan, writers: list[StepWriter],
-                          tensors: dict[str, torch.Tensor], staged: dict[str, TensorChange],
-                          t0: float, blocked: float | None) -> SaveInfo:
-        """The phases after ``stage``, on the caller's thread or in the background."""
+    def _write_and_commit(self, save: SavePlan, record: Callable[[list[WriteResult]], Committed],
+                          writers: list[StepWriter], tensors: dict[str, torch.Tensor],
+                          staged: dict[str, TensorChange], t0: float, blocked: float | None) -> SaveInfo:
+        """The phases after ``stage``, on the caller's thread or in the background: every rank's
+        write results go to the coordinator alone, which commits and tells every rank what."""
         storage = self.store.storage
-        results, _ = self._coll.each("write", lambda: (write(storage, writers), None))
-        manifest = self._coll.one("commit", lambda: commit(
-            self.store, save, results, head=self._head, world_size=self._coll.size, sizes=self._sizes,
-            policy=self.policy.name, lease=self._lease.holding, restores=self._quantize.recorded_restores))
-        if manifest is None:  # withdrawn: its parent went after decide looked (a fenced writer's)
-            parent, self._head = self._head, None
-            raise BrokenChainError(save.step, parent.step if parent is not None else -1,
-                                   "the step it applied to vanished during the save; nothing was "
-                                   "committed and the next save writes a base")
-        self._advance(save.kind, manifest, tensors, staged)
-        rows = sum(r.changed for r in manifest.tensors.values() if len(r.shape) >= 2)
+        done, _ = self._coll.gather("write", lambda: (write(storage, writers), None), record,
+                                    then_phase="commit")
+        self._advance(save.kind, done, tensors, staged)
         seconds = time.perf_counter() - t0
-        info = SaveInfo(save.step, save.kind, manifest.bytes_written, manifest.state_bytes, rows,
+        info = SaveInfo(save.step, save.kind, done.bytes_written, done.state_bytes, done.rows_changed,
                         seconds, save.reason, seconds if blocked is None else blocked)
         if self._coll.is_coordinator:
             log.info("saved step %d: %s, %d B of %d B in %.3f s (%.3f s blocked)", save.step,
                      save.kind, info.bytes_written, info.state_bytes, info.seconds,
                      info.blocked_seconds)
         return info
+
+    def _commit(self, save: SavePlan, plan: GlobalPlan, scans: list[PartScan],
+                results: list[WriteResult]) -> Committed:
+        """Coordinator: the commit record of every rank's ``results``; it becomes the head.
+
+        Raises:
+            BrokenChainError: the record was withdrawn, its parent gone after ``decide`` looked
+                (a fenced writer's); the next save writes a base.
+        """
+        manifest = commit(
+            self.store, save, plan, counts(save.kind, plan.parts(), scans), results, head=self._head,
+            world_size=self._coll.size, sizes=self._sizes, policy=self.policy.name,
+            lease=self._lease.holding, restores=self._quantize.recorded_restores)
+        if manifest is None:
+            parent, self._head = self._head, None
+            raise BrokenChainError(save.step, parent.step if parent is not None else -1,
+                                   "the step it applied to vanished during the save; nothing was "
+                                   "committed and the next save writes a base")
+        if save.kind == Kind.BASE or not getattr(self.policy, "differential", False):
+            self._head = manifest
+        rows = sum(r.changed for r in manifest.tensors.values() if len(r.shape) >= 2)
+        return Committed(manifest.bytes_written, manifest.state_bytes, rows)
 
     def _plan_local(self, step: int, state: Mapping[str, Any]
                     ) -> tuple[tuple[int, str, LocalPlan | None], LocalState]:
@@ -135,16 +161,16 @@ class Saver:
         local = plan_local(step, state, self._coll.rank, self._sizes)
         return (step, local.digest, None if local.digest == self._sent_digest else local.plan), local
 
-    def _advance(self, kind: Kind, manifest: Manifest, tensors: dict[str, torch.Tensor],
+    def _advance(self, kind: Kind, done: Committed, tensors: dict[str, torch.Tensor],
                  changes: dict[str, TensorChange]) -> None:
-        """After a commit: the change tracker's reference and the chain the next delta extends."""
+        """After a commit: the change tracker's reference and the chain the next delta extends
+        (the coordinator's head moved in :meth:`_commit`)."""
         if kind == Kind.BASE or not getattr(self.policy, "differential", False):
             self._tracker.adopt(tensors, changes, base=kind == Kind.BASE)
-            self._head = manifest
         # A differential policy's deltas all apply to the base: keep it as the reference.
         self._chain = (
-            ChainState(0, 0, manifest.bytes_written) if kind == Kind.BASE
-            else ChainState(self._chain.deltas + 1, self._chain.delta_bytes + manifest.bytes_written,
+            ChainState(0, 0, done.bytes_written) if kind == Kind.BASE
+            else ChainState(self._chain.deltas + 1, self._chain.delta_bytes + done.bytes_written,
                             self._chain.base_bytes)
         )
 

@@ -33,18 +33,19 @@ from ..quantization import Rowwise
 from ..storage import Storage
 from ..tracking.changes import TensorChange
 from .decide import itemsize, part_chunk_shape
+from .planner import GlobalPlan
 from .types import Kind, SavePlan, WriteItem, WriteResult
 
 
-def describe(writer: StepWriter, save: SavePlan, sizes: tuple[int, int]) -> None:
+def describe(writer: StepWriter, save: SavePlan, plan: GlobalPlan, sizes: tuple[int, int]) -> None:
     """Coordinator: queues the zarr metadata of every array and group of the step (of a base;
     a delta's chunks go into packs, which their writers describe)."""
     folders = {""}
     if save.kind == Kind.BASE:
-        for t in save.plan.tensors.values():
+        for t in plan.tensors.values():
             for p in t.parts:
                 cs = chunk_shape(Encoding.FULL, p.box.shape, itemsize(t.dtype),
-                                 save.changed[(t.key, p.path)], *sizes)
+                                 p.box.shape[0] if p.box.shape else 1, *sizes)
                 writer.array(t.key, p.path, p.box.shape, cs, dtypes.from_name(t.dtype))
                 names = part_folder(t.key, p.path).split("/")
                 folders.update("/".join(names[:i]) for i in range(1, len(names)))
@@ -106,16 +107,17 @@ def open_writer(storage: Storage, save: SavePlan, rank: int, pool: StagingPool,
 
 
 def stage(writers: list[StepWriter], pool: StagingPool, save: SavePlan, items: tuple[WriteItem, ...],
-          changes: Mapping[str, TensorChange], sizes: tuple[int, int], *,
-          coordinator: bool) -> dict[str, TensorChange]:
-    """Stages every item into ``writers[0]``, and on the coordinator the step's metadata into
-    ``writers[1]``; returns the items' change sets, hashes filled in. On failure every queued
+          changes: Mapping[str, TensorChange], held: Mapping[tuple[str, str], int],
+          sizes: tuple[int, int], *, plan: GlobalPlan | None) -> dict[str, TensorChange]:
+    """Stages every item (holding ``held`` rows or chunks, by tensor key and part path) into
+    ``writers[0]``, and on the coordinator, which passes the global ``plan``, the step's metadata
+    into ``writers[1]``; returns the items' change sets, hashes filled in. On failure every queued
     write ends and every buffer goes back before the error propagates."""
     try:
-        if coordinator:
-            describe(writers[1], save, sizes)
+        if plan is not None:
+            describe(writers[1], save, plan, sizes)
         return {it.key: stage_part(writers[0], pool, save.kind, it, changes[it.key],
-                                   save.changed[(it.key, it.part.path)], sizes,
+                                   held[(it.key, it.part.path)], sizes,
                                    save.quantize[it.key].rule if it.key in save.quantize else None)
                 for it in items}
     except BaseException:

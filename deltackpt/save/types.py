@@ -16,7 +16,7 @@ import torch
 from ..format.manifest import ChunkMap
 from ..quantization import Choice
 from ..sharding import Shard
-from .planner import GlobalPlan, LocalPlan, PartPlan
+from .planner import LocalPlan, PartPlan
 
 
 class Kind(enum.StrEnum):
@@ -58,15 +58,16 @@ class WriteItem:
 
 @dataclass(frozen=True)
 class SavePlan:
-    """What the save writes, decided by the coordinator and the same on every rank.
+    """What the save writes, decided by the coordinator and the same on every rank. It is all
+    that the coordinator's decision sends: each rank knows its own parts and what they hold (a
+    base's every row, a delta's changed rows or chunks, as its scan found, see
+    :func:`~deltackpt.save.decide.counts`); the whole plan stays on the coordinator.
 
     Attributes:
         step: the step.
         kind: base or delta.
         reason: why the policy chose ``kind``.
         attempt: the folder the step's files go into (``steps/ATTEMPT``).
-        plan: every tensor's parts and their writers.
-        changed: rows or chunks each part holds, by (tensor key, part path).
         quantize: for a delta, the quantization rule of each tensor a ``quantize=`` pattern
             names, and why.
     """
@@ -75,8 +76,6 @@ class SavePlan:
     kind: Kind
     reason: str
     attempt: str
-    plan: GlobalPlan
-    changed: Mapping[tuple[str, str], int]
     quantize: Mapping[str, Choice] = field(default_factory=dict)
 
 
@@ -88,6 +87,22 @@ class WriteResult:
     files: Mapping[tuple[str, str], ChunkMap]
     packs: Mapping[str, ChunkMap]
     bounds: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Committed:
+    """What every rank learns of the commit record the coordinator wrote (the record itself
+    stays on the coordinator).
+
+    Attributes:
+        bytes_written: bytes of every file of the step.
+        state_bytes: bytes of every tensor of the state.
+        rows_changed: rows the step holds of row-sparse tensors.
+    """
+
+    bytes_written: int
+    state_bytes: int
+    rows_changed: int
 
 
 @dataclass(frozen=True)
