@@ -81,7 +81,7 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=2_097_152,
                    help="rows of the table of the chains part (default %(default)s)")
     p.add_argument("--dim", type=int, default=64, help="float32 values per row (default %(default)s)")
-    p.add_argument("--chain-lengths", default="0,1,2,4,8,16,32",
+    p.add_argument("--chain-lengths", default="0,4,10,16,64",
                    help="comma-separated chain lengths to restore (default %(default)s)")
     p.add_argument("--policy-rows", type=int, default=262_144,
                    help="rows of the table of the policies part (default %(default)s)")

@@ -125,9 +125,7 @@ class RowReader(ChainReader):
         dim = len(rec.shape)
         decode = None
         if rec.encoding in ("rows", "qrows"):
-            stored = self._ids.get((m.step, key, part.path))
-            if stored is None:
-                stored = self._ids[(m.step, key, part.path)] = self._read_ids(m, key, part)
+            stored = self._ids_of(m, key, part)
             at = torch.searchsorted(stored, local + p0)
             hit = at < stored.numel()
             hit[hit.clone()] = stored[at[hit]] == local[hit] + p0

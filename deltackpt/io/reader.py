@@ -1,11 +1,13 @@
-"""Reading a step: the base of its chain, then every delta in order, into a box of a tensor.
+"""Reading a step: the base of its chain, then the deltas after it, into a box of a tensor.
 
 A reader fills a destination box (a rank's shard, or the whole tensor) and reads only the parts,
 chunks and rows that intersect it. Every chunk read is checked against the size and xxh3-64
 checksum in its commit record before its bytes are used, so a restore never returns corrupt data.
-Chunks of one tensor and step are read in parallel; steps are replayed in order. Whole-chunk reads
-land straight in the destination; edge chunks, coded chunks, partial chunks and delta rows go
-through the staging pool, which bounds the memory a restore adds to the tensors it fills.
+The base's chunks are read in parallel; then the deltas', all at once: each delta writes only the
+rows and elements no newer delta wrote (see :mod:`.cover`), so no row is copied twice and a
+chunk whose rows are all newer elsewhere is not read. Whole-chunk reads land straight in the
+destination; edge chunks, coded chunks, partial chunks and delta rows go through the staging
+pool, which bounds the memory a restore adds to the tensors it fills.
 """
 
 from __future__ import annotations
@@ -16,135 +18,22 @@ from functools import partial
 
 import numpy as np
 import torch
-import xxhash
 
-from ..errors import IntegrityError, MissingChunkError
+from ..errors import IntegrityError
 from ..format import dtypes
-from ..format.layout import STEPS, chunk_key, part_folder
+from ..format.layout import chunk_key
 from ..format.limits import coded_problem
-from ..format.manifest import Entry, Manifest, PartRecord, TensorRecord
+from ..format.manifest import Manifest, PartRecord, TensorRecord
 from ..format.zarr_meta import codec_for
 from ..kernels import rowwise
 from ..quantization import Rowwise
 from ..sharding import Box
 from ..storage import Storage
+from .cover import RowCover, SpanCover
+from .fetch import chunk_path, fetch, stored_size
 from .staging import StagingPool
 
-Job = Callable[[], None]
-
-
-def chunk_path(m: Manifest, key: str, part: PartRecord, name: str) -> str:
-    """Where a chunk is: its file, or for a chunk in a pack, its name and place in the pack."""
-    path = f"{STEPS}/{m.attempt}/{part_folder(key, part.path)}/{name}"
-    entry = part.chunks.get(name)
-    if part.pack is not None and entry is not None and len(entry) == 3:
-        return f"{path} (in {part.pack} at byte {entry[2]})"
-    return path
-
-
-def _pack_files(m: Manifest, pack: str, at: int, size: int) -> list[tuple[str, int, int]]:
-    """The files of a pack that bytes ``[at, at + size)`` lie in: (name, offset there, bytes)."""
-    chunk = m.pack_chunk(pack)
-    out = []
-    while size > 0:
-        i, within = divmod(at, chunk)
-        n = min(size, chunk - within)
-        out.append((chunk_key(i, 1), within, n))
-        at, size = at + n, size - n
-    return out
-
-
-def _check_size(step: int, path: str, entry: Entry | None, size: int | None) -> int:
-    """``size`` (None: the file is absent) once it is the recorded one."""
-    if entry is None or size is None:
-        raise MissingChunkError(step, path)
-    if size != entry[0]:
-        raise IntegrityError(step, path, f"{size} bytes on disk, the record says {entry[0]}")
-    return size
-
-
-def file_size(storage: Storage, step: int, path: str, entry: Entry | None) -> int:
-    """The recorded size of a file, once the file is known to have it, so no allocation is
-    driven by a number read from a damaged record."""
-    return _check_size(step, path, entry, storage.size(path))
-
-
-def stored_size(storage: Storage, m: Manifest, key: str, part: PartRecord, name: str) -> int:
-    """The recorded size of a chunk, once its file (or the files of its pack) have theirs."""
-    entry = part.chunks.get(name)
-    if part.pack is None or entry is None or len(entry) != 3:
-        return file_size(storage, m.step, chunk_path(m, key, part, name), entry)
-    folder = f"{STEPS}/{m.attempt}/{part.pack}"
-    for file, _, _ in _pack_files(m, part.pack, entry[2], entry[0]):
-        file_size(storage, m.step, f"{folder}/{file}", m.packs[part.pack].get(file))
-    return entry[0]
-
-
-def fetch(storage: Storage, m: Manifest, key: str, part: PartRecord, name: str,
-          into: torch.Tensor) -> None:
-    """Reads chunk ``name`` of a part into ``into`` (uint8, exactly the recorded size) and checks
-    it against the record.
-
-    Raises:
-        MissingChunkError: the record lists no such chunk, or the file is gone.
-        IntegrityError: the file's size or checksum differs from the record.
-    """
-    entry = part.chunks.get(name)
-    if part.pack is None or entry is None or len(entry) != 3:
-        fetch_file(storage, m.step, chunk_path(m, key, part, name), entry, into)
-        return
-    view = into.numpy().data
-    folder = f"{STEPS}/{m.attempt}/{part.pack}"
-    done = 0
-    for file, within, n in _pack_files(m, part.pack, entry[2], entry[0]):
-        path = f"{folder}/{file}"
-        try:
-            got = storage.read_into(path, view[done : done + n], within)
-        except FileNotFoundError:
-            got = None
-        _check_size(m.step, path, m.packs[part.pack].get(file), got)
-        done += n
-    if xxhash.xxh3_64_hexdigest(view) != entry[1]:
-        raise IntegrityError(m.step, chunk_path(m, key, part, name), "checksum mismatch")
-
-
-def fetch_file(storage: Storage, step: int, path: str, entry: Entry | None, into: torch.Tensor) -> None:
-    """Reads the file ``path`` into ``into`` (uint8, exactly the recorded size) and checks it
-    against its record ``entry`` (None: the record lists no such file)."""
-    if entry is None:
-        raise MissingChunkError(step, path)
-    view = into.numpy().data
-    try:
-        got = storage.read_into(path, view)
-    except FileNotFoundError:
-        got = None
-    _check_size(step, path, entry, got)
-    if xxhash.xxh3_64_hexdigest(view) != entry[1]:
-        raise IntegrityError(step, path, "checksum mismatch")
-
-
-def fetch_file_in_pieces(storage: Storage, step: int, path: str, entry: Entry | None,
-                         buf: torch.Tensor) -> None:
-    """As :func:`fetch_file`, for a file of any size: reads it through ``buf`` (uint8, any size
-    from one byte on) a piece at a time."""
-    if entry is None:
-        raise MissingChunkError(step, path)
-    view = buf.numpy().data
-    h = xxhash.xxh3_64()
-    at = 0
-    while True:
-        try:
-            got = storage.read_into(path, view, at)
-        except FileNotFoundError:
-            got = None
-        size = _check_size(step, path, entry, got)
-        n = min(len(view), size - at)
-        h.update(view[:n])
-        at += n
-        if at >= size:
-            break
-    if h.hexdigest() != entry[1]:
-        raise IntegrityError(step, path, "checksum mismatch")
+Job = Callable[[], object]
 
 
 def whole(shape: tuple[int, ...]) -> Box:
@@ -187,27 +76,53 @@ class ChainReader:
 
     def read(self, key: str, dest: torch.Tensor, box: Box | None = None) -> None:
         """Fills ``dest`` (CPU, contiguous, of the recorded dtype) with the box ``box`` (default:
-        the whole tensor) of ``key``'s value."""
+        the whole tensor) of ``key``'s value.
+
+        The last full record of the chain (its base) is read first; then the deltas after it,
+        newest first, each writing only the rows and elements no newer delta wrote, so every
+        delta's reads run at once and no row is copied twice.
+        """
         box = box or whole(tuple(dest.shape))
-        for m in self._chain:
-            rec = m.tensors.get(key)
-            if rec is None:
-                raise IntegrityError(m.step, key, "the tensor is missing from this step's record")
-            fits = len(rec.shape) == len(box.shape) and (
-                not box.numel or whole(rec.shape).intersect(box) == box)
-            if dtypes.from_name(rec.dtype) != dest.dtype or not fits:
-                raise IntegrityError(m.step, key, "dtype or shape differs along the chain")
-            jobs: list[Job] = []
-            for part in rec.parts:
-                inter = part.box.intersect(box)
-                if inter is not None and inter.numel:
-                    make = {"full": self._full, "rows": self._rows, "chunks": self._chunks,
-                            "qrows": self._qrows}[rec.encoding]
-                    jobs += make(m, key, rec, part, inter, dest, box)
-            self._run(jobs)
+        recs = [self._checked(m, key, dest, box) for m in self._chain]
+        start = max((i for i, r in enumerate(recs) if r.encoding == "full"), default=0)
+        steps = list(zip(self._chain, recs))[start:]
+        base, deltas = (steps[0], steps[1:]) if recs[start].encoding == "full" else (None, steps)
+        deltas.reverse()
+        hits = [(m, rec, part, inter) for m, rec in deltas for part in rec.parts
+                for inter in [part.box.intersect(box)] if inter is not None and inter.numel]
+        if len({rec.encoding == "chunks" for _, rec, _, _ in hits}) > 1:
+            raise IntegrityError(self._chain[-1].step, key, "dense and row deltas mixed along the chain")
+        self._run([partial(self._ids_of, m, key, part) for m, rec, part, _ in hits if rec.encoding != "chunks"])
+        rows = RowCover(box, [part.box for _, _, part, _ in hits]) if dest.dim() else None
+        spans = SpanCover()
+        jobs: list[Job] = []
+        for m, rec, part, inter in hits:
+            if rec.encoding == "chunks":
+                jobs += self._chunks(m, key, part, inter, dest, box, spans)
+            elif rec.encoding in ("rows", "qrows") and rows is not None:
+                jobs += self._rows(m, key, rec, part, inter, dest, box, rows)
+            else:
+                raise IntegrityError(m.step, key, f"a {rec.encoding!r} delta of a {dest.dim()}-d tensor")
+        if base is not None:
+            m, rec = base
+            self._run([job for part in rec.parts for inter in [part.box.intersect(box)]
+                       if inter is not None and inter.numel
+                       for job in self._full(m, key, rec, part, inter, dest, box)])
+        self._run(jobs)
+
+    def _checked(self, m: Manifest, key: str, dest: torch.Tensor, box: Box) -> TensorRecord:
+        """``key``'s record in step ``m``, once it matches ``dest`` and ``box``."""
+        rec = m.tensors.get(key)
+        if rec is None:
+            raise IntegrityError(m.step, key, "the tensor is missing from this step's record")
+        fits = len(rec.shape) == len(box.shape) and (
+            not box.numel or whole(rec.shape).intersect(box) == box)
+        if dtypes.from_name(rec.dtype) != dest.dtype or not fits:
+            raise IntegrityError(m.step, key, "dtype or shape differs along the chain")
+        return rec
 
     def _run(self, jobs: list[Job]) -> None:
-        futures: list[Future[None]] = [self._executor.submit(job) for job in jobs]
+        futures: list[Future[object]] = [self._executor.submit(job) for job in jobs]
         error = None
         for f in futures:
             try:
@@ -284,62 +199,65 @@ class ChainReader:
         return jobs
 
     def _rows(self, m: Manifest, key: str, rec: TensorRecord, part: PartRecord, inter: Box,
-              dest: torch.Tensor, box: Box) -> list[Job]:
-        cr = part.chunk_shape[0]
+              dest: torch.Tensor, box: Box, cover: RowCover) -> list[Job]:
+        """Reads of a row delta's chunks holding rows no newer delta wrote, and their copies; a
+        ``qrows`` delta's rows are decoded to the tensor's dtype (the kept rows alone)."""
         rest = part.shape[1:]
-        row_bytes = int(np.prod(rest, dtype=np.int64)) * dest.element_size()
-        ids = self._ids.get((m.step, key, part.path))
-        if ids is None:
-            ids = self._ids[(m.step, key, part.path)] = self._read_ids(m, key, part)
+        width = int(np.prod(rest, dtype=np.int64))
+        if rec.encoding == "qrows":
+            rule = Rowwise.from_scheme(rec.lossy.scheme if rec.lossy else None)
+            cr, row_bytes = part.chunk_shape
+            if row_bytes != rowwise.row_bytes(width, rule.bits, rule.scale_dtype):
+                raise IntegrityError(m.step, f"{key} part {part.path!r}",
+                                     f"quantized rows of {row_bytes} B do not fit {width} elements at {rule.scheme}")
+            folder, dtype, uncoded = "qrows", torch.uint8, True
+
+            def decode(packed: torch.Tensor) -> torch.Tensor:
+                return rowwise.dequantize_rows(packed.view(-1, row_bytes), rule.bits, width, dest.dtype,
+                                               scale_dtype=rule.scale_dtype).view(-1, *rest)
+        else:
+            cr = part.chunk_shape[0]
+            row_bytes = width * dest.element_size()
+            folder, dtype, uncoded = "rows", dest.dtype, False
+
+            def decode(packed: torch.Tensor) -> torch.Tensor:
+                return packed.view(dest.dtype).view(-1, *rest)
+        ids = self._ids_of(m, key, part)
         # Only the rows inside the destination box: ids are sorted.
         p0 = int(torch.searchsorted(ids, inter.offset[0]))
         p1 = int(torch.searchsorted(ids, inter.offset[0] + inter.shape[0]))
-        src_cols, dst_cols = inter.slices(part.box)[1:], inter.slices(box)[1:]
+        local = ids[p0:p1] - box.offset[0]
+        cells = [(cell.slices(part.box)[1:], cell.slices(box)[1:], keep)
+                 for cell, keep in cover.claim(inter, local)]
         jobs: list[Job] = []
         for j in range(p0 // cr, -(-p1 // cr)):
             lo = j * cr
             a, b = max(lo, p0), min(lo + cr, p1)
-            local = ids[a:b] - box.offset[0]
+            picks: list[tuple[tuple[slice, ...], tuple[slice, ...], slice | torch.Tensor, torch.Tensor]] = []
+            for src, dst, keep in cells:
+                at = keep[a - p0 : b - p0].nonzero().squeeze(1)
+                if len(at) == b - a:  # all kept: slices, not index copies
+                    picks.append((src, dst, slice(a - lo, b - lo), local[a - p0 : b - p0]))
+                elif len(at):
+                    picks.append((src, dst, at + (a - lo), local[at + (a - p0)]))
+            if not picks:
+                continue  # every row of this chunk is written by a newer delta: not read at all
 
-            def copy(buf: torch.Tensor, lo=lo, a=a, b=b, local=local) -> None:
-                rows = buf[: cr * row_bytes].view(dest.dtype).view(cr, *rest)
-                dest[(local, *dst_cols)] = rows[(slice(a - lo, b - lo), *src_cols)]
+            def copy(buf: torch.Tensor, picks=picks) -> None:
+                packed = buf[: cr * row_bytes].view(cr, row_bytes)
+                for src, dst, at, rows_at in picks:
+                    dest[(slice(None), *dst)].index_copy_(0, rows_at, decode(packed[at])[(slice(None), *src)])
 
-            jobs.append(partial(self._staged, m, key, part, f"rows/{chunk_key(j, dest.dim())}",
-                                dest.dtype, cr * row_bytes, copy))
+            jobs.append(partial(self._staged, m, key, part, f"{folder}/{chunk_key(j, 2 if uncoded else dest.dim())}",
+                                dtype, cr * row_bytes, copy, uncoded=uncoded))
         return jobs
 
-    def _qrows(self, m: Manifest, key: str, rec: TensorRecord, part: PartRecord, inter: Box,
-               dest: torch.Tensor, box: Box) -> list[Job]:
-        """Like :meth:`_rows`, from quantized rows decoded to the tensor's dtype."""
-        rule = Rowwise.from_scheme(rec.lossy.scheme if rec.lossy else None)
-        cr, qbytes = part.chunk_shape
-        rest = part.shape[1:]
-        width = int(np.prod(rest, dtype=np.int64))
-        if qbytes != rowwise.row_bytes(width, rule.bits, rule.scale_dtype):
-            raise IntegrityError(m.step, f"{key} part {part.path!r}",
-                                 f"quantized rows of {qbytes} B do not fit {width} elements at {rule.scheme}")
+    def _ids_of(self, m: Manifest, key: str, part: PartRecord) -> torch.Tensor:
+        """The row ids of a delta part, read once per reader."""
         ids = self._ids.get((m.step, key, part.path))
         if ids is None:
             ids = self._ids[(m.step, key, part.path)] = self._read_ids(m, key, part)
-        p0 = int(torch.searchsorted(ids, inter.offset[0]))
-        p1 = int(torch.searchsorted(ids, inter.offset[0] + inter.shape[0]))
-        src_cols, dst_cols = inter.slices(part.box)[1:], inter.slices(box)[1:]
-        jobs: list[Job] = []
-        for j in range(p0 // cr, -(-p1 // cr)):
-            lo = j * cr
-            a, b = max(lo, p0), min(lo + cr, p1)
-            local = ids[a:b] - box.offset[0]
-
-            def copy(buf: torch.Tensor, lo=lo, a=a, b=b, local=local) -> None:
-                packed = buf[: cr * qbytes].view(cr, qbytes)[a - lo : b - lo]
-                rows = rowwise.dequantize_rows(packed, rule.bits, width, dest.dtype,
-                                               scale_dtype=rule.scale_dtype).view(b - a, *rest)
-                dest[(local, *dst_cols)] = rows[(slice(None), *src_cols)]
-
-            jobs.append(partial(self._staged, m, key, part, f"qrows/{chunk_key(j, 2)}", torch.uint8,
-                                cr * qbytes, copy, uncoded=True))
-        return jobs
+        return ids
 
     def _read_ids(self, m: Manifest, key: str, part: PartRecord) -> torch.Tensor:
         """All row ids of a delta part (small: 8 bytes a row), checked."""
@@ -360,8 +278,9 @@ class ChainReader:
                                  "row ids outside the part or not strictly increasing")
         return ids
 
-    def _chunks(self, m: Manifest, key: str, rec: TensorRecord, part: PartRecord, inter: Box,
-                dest: torch.Tensor, box: Box) -> list[Job]:
+    def _chunks(self, m: Manifest, key: str, part: PartRecord, inter: Box, dest: torch.Tensor, box: Box,
+                cover: SpanCover) -> list[Job]:
+        """Reads of a dense delta's chunks holding elements no newer delta wrote, and their copies."""
         (ce,) = part.chunk_shape
         itemsize = dest.element_size()
         pstart = part.offset[0] if part.offset else 0
@@ -380,16 +299,19 @@ class ChainReader:
             a, b = max(lo, i0), min(hi, i1)
             if a >= b:
                 continue
-            d = (pstart + a - dstart) * itemsize
-            target = flat[d : d + (b - a) * itemsize]
-            if raw and (a, b) == (lo, hi) and hi - lo == ce:
-                jobs.append(partial(fetch, self._storage, m, key, part, name, target))
-            else:
+            free = cover.claim(pstart + a, pstart + b)
+            if raw and free == [(pstart + lo, pstart + hi)] and hi - lo == ce:
+                d = (pstart + lo - dstart) * itemsize
+                jobs.append(partial(fetch, self._storage, m, key, part, name, flat[d : d + ce * itemsize]))
+            elif free:
+                pieces = [(flat[(x - dstart) * itemsize : (y - dstart) * itemsize], (x - pstart - lo) * itemsize)
+                          for x, y in free]
                 jobs.append(partial(self._staged, m, key, part, name, dest.dtype, ce * itemsize,
-                                    partial(_copy_at, target, (a - lo) * itemsize)))
+                                    partial(_copy_pieces, pieces)))
         return jobs
 
 
-def _copy_at(target: torch.Tensor, offset: int, buf: torch.Tensor) -> None:
-    """Copies the bytes of ``buf`` from ``offset`` on into ``target``."""
-    target.copy_(buf[offset : offset + target.numel()])
+def _copy_pieces(pieces: list[tuple[torch.Tensor, int]], buf: torch.Tensor) -> None:
+    """Copies the bytes of ``buf`` from each offset on into its target."""
+    for target, offset in pieces:
+        target.copy_(buf[offset : offset + target.numel()])

@@ -19,7 +19,7 @@ from ..format.grid import chunk_bytes
 from ..format.layout import STEPS
 from ..format.limits import coded_problem
 from ..format.manifest import Manifest, PartRecord, TensorRecord
-from ..io.reader import chunk_path, fetch, fetch_file_in_pieces, file_size, stored_size
+from ..io.fetch import chunk_path, fetch, fetch_file_in_pieces, file_size, stored_size
 from ..io.staging import StagingPool
 from ..quantization import Rowwise
 from ..storage import Storage

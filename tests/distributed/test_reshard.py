@@ -1,5 +1,5 @@
 """N -> M restore for every pair in {1, 2, 3, 4}, row-, column- and table-wise crosswise,
-after chains with several deltas, optimizer-like state included."""
+after chains with several deltas that rewrite each other's rows, optimizer-like state included."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ def reference(step: int) -> dict[str, torch.Tensor]:
     ref["mlp"] = torch.randn(6, 5, generator=gen)
     for s in range(1, step + 1):
         for name, (rows, _) in TABLES.items():
-            ids = torch.randint(0, rows, (3,), generator=gen)
+            # Row 1 changes at every step: later deltas overwrite earlier ones' rows.
+            ids = torch.cat([torch.randint(0, rows, (3,), generator=gen), torch.tensor([1])])
             ref[name][ids] += 0.5
             ref[f"acc_{name}"][ids] += 1.0
         if s % 2 == 0:
