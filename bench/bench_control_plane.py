@@ -11,9 +11,8 @@ stand-ins); the metadata files' entries are real.
 Two saves: a base with a new layout (every local plan sent, a new global plan), then a delta
 with the layout unchanged (digests only, the plan cached) where ``--changed`` of each part's
 rows or chunks changed. Message sizes are the pickles the collectives send (``(ok, value)``,
-see ``deltackpt/collectives.py``): an all-gather delivers every rank's message to every rank, a
-broadcast the coordinator's. ``write_items`` scans the whole plan on each rank, so it is timed
-on a few ranks (``--sample``); the parts of the others come from one pass over the plan.
+see ``deltackpt/collectives.py``): a gather delivers every rank's message to the coordinator, a
+broadcast the coordinator's message to every rank, a scatter each rank its own.
 
 Run:  python bench/bench_control_plane.py --world 1024 --tensors 1000
 Writes bench/results/control_plane_W{world}_T{tensors}.json and prints a markdown table.
@@ -48,9 +47,9 @@ from deltackpt.policy import BasePolicy, ChainState, EveryK
 from deltackpt.save.commit import build_manifest
 from deltackpt.save.decide import counts, decide
 from deltackpt.save.local import plan_local, write_items
-from deltackpt.save.planner import GlobalPlan, GlobalPlanner, PartPlan
+from deltackpt.save.planner import Assignment, GlobalPlan, GlobalPlanner, PartPlan, PlanRequest
 from deltackpt.save.scan import PartScan, summarize
-from deltackpt.save.types import Committed, Kind, LocalState, SavePlan, WriteItem, WriteResult
+from deltackpt.save.types import Committed, Kind, SavePlan, WriteItem, WriteResult
 from deltackpt.tracking.changes import TensorChange, is_row_sparse
 
 MiB = 1 << 20
@@ -241,12 +240,10 @@ def _wire(value: Any) -> int:
     return len(pickle.dumps((True, value)))
 
 
-def _gather(run: Run, name: str, per_rank: list[Any], seconds: list[float], *, everyone: bool) -> None:
-    """Every rank's message to the coordinator, or with ``everyone`` to every rank (an
-    all-gather)."""
+def _gather(run: Run, name: str, per_rank: list[Any], seconds: list[float]) -> None:
+    """Every rank's message to the coordinator."""
     sizes = [_wire(v) for v in per_rank]
-    run.add(Phase(name, "every rank", sum(seconds), max(seconds), max(sizes), sum(sizes),
-                  sum(sizes) if everyone else 0))
+    run.add(Phase(name, "every rank", sum(seconds), max(seconds), max(sizes), sum(sizes)))
 
 
 def _broadcast(run: Run, name: str, value: Any, seconds: float, unpickle: float = 0.0) -> None:
@@ -262,37 +259,47 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 
 def simulate(world: int, state_of: StateOf, *, changed: Changed, sizes: tuple[int, int] = DEFAULT_SIZES,
-             policy: BasePolicy | None = None, sample: int = 3, progress: bool = False) -> Run:
+             policy: BasePolicy | None = None, progress: bool = False) -> Run:
     """A base with a new layout, then a delta with the same layout, on ``world`` simulated ranks
     whose states ``state_of(rank, step)`` gives; ``changed`` says what changed in each part for the
-    delta. ``write_items`` is timed (and checked against the plan) on ``sample`` ranks."""
+    delta."""
     run, policy = Run(progress=progress), policy or EveryK(100)
     planner, head, chain = GlobalPlanner(world), None, ChainState(0, 0, 0)
     digests: dict[int, str] = {}
+    assigned: dict[int, Assignment] = {}
     for step in (1, 2):
         # plan_local, on every rank: the local plan, or its digest alone when unchanged.
         sent, seconds, locals_ = [], [], {}
         for r in range(world):
             local, s = _timed(lambda: plan_local(step, state_of(r, step), r, sizes))
-            sent.append((step, local.digest, None if digests.get(r) == local.digest else local.plan))
+            sent.append(PlanRequest(step, local.digest, None if digests.get(r) == local.digest else local.plan,
+                                    assigned[r].tag if r in assigned else None))
             digests[r] = local.digest
             locals_[r] = local
             seconds.append(s)
-        _gather(run, f"{step}: plan_local", sent, seconds, everyone=True)
-        fresh, s = _timed(lambda: planner.update(sent, lambda _: None))
-        message = pickle.dumps((True, fresh))
-        _, unpickle = _timed(lambda: pickle.loads(message))
-        _broadcast(run, f"{step}: plan_global", fresh, s, unpickle)
-        plan = planner.adopt(sent, fresh)
+        _gather(run, f"{step}: plan_local", sent, seconds)
+        # plan_global, on the coordinator: each rank receives its own parts (when it lacks them).
+        answers, s = _timed(lambda: planner.assign(sent, lambda _: None))
+        messages = [pickle.dumps((True, a)) for a in answers]
+        largest = max(messages, key=len)
+        _, unpickle = _timed(lambda: pickle.loads(largest))
+        run.add(Phase(f"{step}: plan_global", "coordinator", s, unpickle, len(largest), 0, len(largest)))
+        assigned.update((r, a) for r, a in enumerate(answers) if a is not None)
+        plan = planner.plan
         run.plans.append(plan)
-        items = _owned(run, plan, world, locals_, sample)
+        items, seconds = [], []
+        for r in range(world):
+            out, s = _timed(lambda: write_items(assigned[r].parts, locals_[r]))
+            items.append(out)
+            seconds.append(s)
+        run.add(Phase(f"{step}: write_items", "every rank", sum(seconds), max(seconds)))
         # scan, on every rank: a summary of each part it writes, to the coordinator.
         scans, seconds = [], []
         for r in range(world):
             out, s = _timed(lambda: _scan(items[r], changed if head is not None else None, sizes))
             scans.append(out)
             seconds.append(s)
-        _gather(run, f"{step}: scan", scans, seconds, everyone=False)
+        _gather(run, f"{step}: scan", scans, seconds)
         everyone = [x for per in scans for x in per]
         save, s = _timed(lambda: decide(policy, head, chain, plan, everyone, step=step, attempt=f"{step}-sim"))
         _broadcast(run, f"{step}: decide", save, s)
@@ -303,7 +310,9 @@ def simulate(world: int, state_of: StateOf, *, changed: Changed, sizes: tuple[in
                                             sizes, plan=plan if r == 0 else None))
             results.append(out)
             seconds.append(s)
-        _gather(run, f"{step}: write results", results, seconds, everyone=False)
+        _gather(run, f"{step}: stage", [None] * world, [0.0] * world)
+        _broadcast(run, f"{step}: stage (outcome)", None, 0.0)
+        _gather(run, f"{step}: write results", results, seconds)
         record, s = _timed(lambda: build_manifest(
             save, plan, counts(save.kind, plan.parts(), everyone), results, head=head, world_size=world,
             policy={"name": policy.name, "decision": str(save.kind), "reason": save.reason}, sizes=sizes))
@@ -321,25 +330,6 @@ def simulate(world: int, state_of: StateOf, *, changed: Changed, sizes: tuple[in
         chain = ChainState(0, 0, record.bytes_written) if save.kind == Kind.BASE else ChainState(
             chain.deltas + 1, chain.delta_bytes + record.bytes_written, chain.base_bytes)
     return run
-
-
-def _owned(run: Run, plan: GlobalPlan, world: int, locals_: dict[int, LocalState],
-           sample: int) -> list[tuple[WriteItem, ...]]:
-    """Every rank's write items, from one pass over the plan; ``write_items`` itself timed on
-    ``sample`` ranks spread over the world, and checked to agree."""
-    by_rank: list[list[WriteItem]] = [[] for _ in range(world)]
-    for t in plan.tensors.values():
-        for p in t.parts:
-            by_rank[p.writer].append(WriteItem(t.key, p, locals_[p.writer].shards[t.key].local))
-    seconds = []
-    for r in sorted({r * (world - 1) // max(1, sample - 1) for r in range(sample)}):
-        items, s = _timed(lambda: write_items(plan, r, locals_[r]))
-        if [(i.key, i.part) for i in items] != [(i.key, i.part) for i in by_rank[r]]:
-            raise AssertionError(f"rank {r}: write_items disagrees with the plan")
-        seconds.append(s)
-    run.add(Phase(f"{len(run.records) + 1}: write_items ({len(seconds)} ranks)", "every rank",
-                  sum(seconds) / len(seconds), max(seconds)))
-    return [tuple(x) for x in by_rank]
 
 
 def _scan(items: tuple[WriteItem, ...], changed: Changed | None, sizes: tuple[int, int]) -> list[PartScan]:
@@ -365,7 +355,7 @@ def table(run: Run, job: Job) -> str:
              "| peak RSS MiB |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for p in run.phases:
-        mean = p.seconds / job.world if p.where == "every rank" and "write_items" not in p.name else p.seconds
+        mean = p.seconds / job.world if p.where == "every rank" else p.seconds
         lines.append(f"| {p.name} | {p.where} | {mean:.4f} | {p.max_rank_seconds:.4f} | "
                      f"{p.sent_max / 1e6:.3f} | {p.received / 1e6:.3f} | {p.rank_received / 1e6:.3f} | "
                      f"{p.peak_rss_mib:.0f} |")
@@ -379,13 +369,11 @@ def main() -> None:
     ap.add_argument("--mix", default="0.8,0.1,0.1", help="shares row-, column-, table-wise")
     ap.add_argument("--col-group", type=int, default=8, help="ranks a column-wise tensor spans")
     ap.add_argument("--changed", type=float, default=0.01, help="share of rows/chunks a delta writes")
-    ap.add_argument("--sample", type=int, default=3, help="ranks write_items is timed on")
     args = ap.parse_args()
     row, col, tab = (float(x) for x in args.mix.split(","))
     job = Job(args.world, args.tensors, (row, col, tab), args.col_group)
     t0 = time.perf_counter()
-    run = simulate(job.world, job.state, changed=changed_share(args.changed), sample=args.sample,
-                   progress=True)
+    run = simulate(job.world, job.state, changed=changed_share(args.changed), progress=True)
     parts = sum(len(t.parts) for t in run.plans[-1].tensors.values())
     text = table(run, job)
     print(text)

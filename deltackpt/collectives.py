@@ -25,7 +25,6 @@ from .errors import REQUEST_ERRORS, CheckpointAborted
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 K = TypeVar("K")
-R = TypeVar("R")
 
 
 class Collective:
@@ -101,12 +100,13 @@ class Collective:
             raise CheckpointAborted({self.coordinator: (phase, _describe(value))})
         return value
 
-    def gather(self, phase: str, fn: Callable[[], tuple[T, K]], then: Callable[[list[T]], R],
-               *, then_phase: str) -> tuple[R, K]:
+    def gather(self, phase: str, fn: Callable[[], tuple[T, K]], then: Callable[[list[T]], Any],
+               *, then_phase: str, per_rank: bool = False) -> tuple[Any, K]:
         """Runs ``fn``, which returns ``(sent, kept)``, on every rank; the coordinator alone
         receives every rank's ``sent``, by rank, and runs ``then`` on them; its result (or error)
-        reaches every rank, beside this rank's ``kept``. No rank but the coordinator receives
-        another rank's message: the traffic per rank is ``then``'s result.
+        reaches every rank, beside this rank's ``kept``. With ``per_rank``, ``then`` returns one
+        answer per rank and each rank receives only its own. No rank but the coordinator
+        receives another rank's message.
 
         Raises:
             CheckpointAborted: ``fn`` failed on some rank (every failing rank is listed), ``then``
@@ -125,7 +125,8 @@ class Collective:
         if self.size == 1:
             if not outcome[0]:
                 raise outcome[1]
-            return then([outcome[1]]), kept[0]
+            answer = then([outcome[1]])
+            return (answer[0] if per_rank else answer), kept[0]
         gathered: list[Any] | None = [None] * self.size if self.is_coordinator else None
         dst = dist.get_global_rank(self.group, self.coordinator)
         self._exchange(phase, lambda: dist.gather_object(_portable(outcome), gathered, dst=dst,
@@ -135,7 +136,7 @@ class Collective:
             failures = {r: (phase, _describe(v)) for r, (ok, v) in enumerate(gathered) if not ok}
             result = (False, CheckpointAborted(failures)) if failures else _run(
                 lambda: then([v for _, v in gathered]))
-        ok, value = self._broadcast(then_phase, result)
+        ok, value = (self._scatter if per_rank else self._broadcast)(then_phase, result)
         if not ok:
             if isinstance(value, (CheckpointAborted, *REQUEST_ERRORS)):
                 raise value
@@ -147,6 +148,17 @@ class Collective:
         box = [_portable(outcome)]
         src = dist.get_global_rank(self.group, self.coordinator)
         self._exchange(phase, lambda: dist.broadcast_object_list(box, src=src, group=self.group))
+        return box[0]
+
+    def _scatter(self, phase: str, outcome: tuple[bool, Any]) -> tuple[bool, Any]:
+        """The coordinator's answer for this rank (its error, to every rank)."""
+        ok, value = outcome
+        sent: list[Any] | None = None
+        if self.is_coordinator:
+            sent = [(True, v) for v in value] if ok else [_portable(outcome)] * self.size
+        box: list[Any] = [None]
+        src = dist.get_global_rank(self.group, self.coordinator)
+        self._exchange(phase, lambda: dist.scatter_object_list(box, sent, src=src, group=self.group))
         return box[0]
 
     def _exchange(self, phase: str, op: Callable[[], None]) -> None:

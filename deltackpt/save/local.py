@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .. import statetree
@@ -10,7 +10,7 @@ from ..errors import StepExistsError
 from ..format import dtypes
 from ..format.limits import MAX_STEP
 from ..sharding import Shard
-from .planner import GlobalPlan, ItemInfo, LocalPlan
+from .planner import ItemInfo, LocalPlan, PartPlan
 from .types import LocalState, WriteItem
 
 
@@ -36,6 +36,7 @@ def plan_local(step: int, state: Mapping[str, Any], rank: int, sizes: tuple[int,
     return LocalState(step, shards, plan, plan.digest())
 
 
-def write_items(plan: GlobalPlan, rank: int, local: LocalState) -> tuple[WriteItem, ...]:
-    """The parts ``rank`` writes, with its tensors that hold them."""
-    return tuple(WriteItem(tp.key, part, local.shards[tp.key].local) for tp, part in plan.owned(rank))
+def write_items(parts: Iterable[tuple[str, PartPlan]], local: LocalState) -> tuple[WriteItem, ...]:
+    """The ``parts`` a rank writes (see :class:`~deltackpt.save.planner.Assignment`), with its
+    tensors that hold them."""
+    return tuple(WriteItem(key, part, local.shards[key].local) for key, part in parts)

@@ -7,7 +7,9 @@ boxes first, which spreads the writes evenly. Validation checks that every tenso
 on dtype and global shape and tile it exactly; it sorts, so it is O(n log n) in the boxes.
 
 The plan is deterministic in its input, so a cached plan stays valid while no rank's local plan
-changes.
+changes. Only the coordinator holds it: the ranks send it their local plans (each only when it
+changed) and receive only the parts they write (each only when the plan changed), so no rank but
+the coordinator receives anything that grows with the world.
 """
 
 from __future__ import annotations
@@ -76,9 +78,38 @@ class GlobalPlan:
         """Every part, with its tensor's key."""
         return ((t.key, p) for t in self.tensors.values() for p in t.parts)
 
-    def owned(self, rank: int) -> list[tuple[TensorPlan, PartPlan]]:
-        """The parts ``rank`` writes."""
-        return [(t, p) for t in self.tensors.values() for p in t.parts if p.writer == rank]
+    def by_writer(self, world_size: int) -> list[tuple[tuple[str, PartPlan], ...]]:
+        """The parts each rank writes, with their tensors' keys, by rank (one pass)."""
+        out: list[list[tuple[str, PartPlan]]] = [[] for _ in range(world_size)]
+        for key, p in self.parts():
+            out[p.writer].append((key, p))
+        return [tuple(parts) for parts in out]
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a rank sends the coordinator at each save: a few bytes while nothing changed.
+
+    Attributes:
+        step: the step it saves.
+        digest: its local plan's digest.
+        plan: its local plan, only when it changed since the rank last sent one.
+        holds: the tag of the global plan whose parts the rank holds (None: none yet).
+    """
+
+    step: int
+    digest: str
+    plan: LocalPlan | None
+    holds: str | None
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """The parts one rank writes under the global plan ``tag``: all that a rank but the
+    coordinator learns of the plan."""
+
+    tag: str
+    parts: tuple[tuple[str, PartPlan], ...]
 
 
 def make_global_plan(local_plans: list[LocalPlan], tree: dict) -> GlobalPlan:
@@ -125,8 +156,9 @@ def make_global_plan(local_plans: list[LocalPlan], tree: dict) -> GlobalPlan:
 
 
 class GlobalPlanner:
-    """The global plan of successive saves: ranks send their local plan only when it changed, and
-    the plan is made again only then.
+    """The coordinator's global plan of successive saves: ranks send their local plan only when
+    it changed, the plan is made again only then, and a rank receives its parts only when it does
+    not hold them yet.
 
     Args:
         world_size: how many ranks save.
@@ -134,37 +166,44 @@ class GlobalPlanner:
 
     def __init__(self, world_size: int):
         self._world_size = world_size
-        self._local_plans: dict[int, LocalPlan] = {}  # coordinator: the ranks' last local plans
-        self._plan: tuple[tuple[str, ...], GlobalPlan] | None = None  # digests -> cached plan
+        self._local_plans: dict[int, LocalPlan] = {}  # the ranks' last local plans
+        self._plan: tuple[tuple[str, ...], str, GlobalPlan] | None = None  # digests, tag, plan
+        self._by_writer: list[tuple[tuple[str, PartPlan], ...]] = []
 
-    def update(self, sent: list[tuple[int, str, LocalPlan | None]],
-               admit: Callable[[int], None]) -> GlobalPlan | None:
-        """Coordinator: a new global plan from what every rank sent ``(step, digest, plan or
-        None)``, or None when the last one still holds. ``admit(step)`` checks the step first.
+    @property
+    def plan(self) -> GlobalPlan:
+        """The plan in force (after :meth:`assign`)."""
+        if self._plan is None:
+            raise StateError("no global plan yet")
+        return self._plan[2]
+
+    def assign(self, sent: list[PlanRequest], admit: Callable[[int], None]) -> list[Assignment | None]:
+        """The plan in force for what every rank sent, made again only when some rank's local
+        plan changed; for each rank, its parts, or None when it holds them already. ``admit(step)``
+        checks the step first.
 
         Raises:
             StepExistsError: the ranks save different steps.
             StateError: the ranks use different chunk sizes, or their parts do not tile.
         """
-        for rank, (_, _, plan) in enumerate(sent):
-            if plan is not None:
-                self._local_plans[rank] = plan
-        steps = {s for s, _, _ in sent}
+        for rank, request in enumerate(sent):
+            if request.plan is not None:
+                self._local_plans[rank] = request.plan
+        steps = {r.step for r in sent}
         if len(steps) != 1:
             raise StepExistsError(f"ranks save different steps: {sorted(steps)}")
         admit(steps.pop())
-        digests = tuple(d for _, d, _ in sent)
-        if self._plan is not None and self._plan[0] == digests:
-            return None
-        plans = [self._local_plans[r] for r in range(self._world_size)]
-        if len({p.settings for p in plans}) != 1:
-            raise StateError(f"ranks use different chunk sizes: {sorted({p.settings for p in plans})}")
-        return make_global_plan(plans, statetree.merge([p.tree for p in plans]))
-
-    def adopt(self, sent: list[tuple[int, str, LocalPlan | None]], fresh: GlobalPlan | None) -> GlobalPlan:
-        """Every rank: the plan in force after :meth:`update` returned ``fresh``."""
-        if fresh is not None:
-            self._plan = (tuple(d for _, d, _ in sent), fresh)
-        if self._plan is None:
-            raise StateError("no global plan: the coordinator sent none for a first save")
-        return self._plan[1]
+        digests = tuple(r.digest for r in sent)
+        if self._plan is None or self._plan[0] != digests:
+            missing = [r for r in range(self._world_size) if r not in self._local_plans]
+            if missing:
+                raise StateError(f"no local plan from ranks {missing}")
+            plans = [self._local_plans[r] for r in range(self._world_size)]
+            if len({p.settings for p in plans}) != 1:
+                raise StateError(f"ranks use different chunk sizes: {sorted({p.settings for p in plans})}")
+            plan = make_global_plan(plans, statetree.merge([p.tree for p in plans]))
+            tag = hashlib.sha256("/".join(digests).encode()).hexdigest()[:16]
+            self._plan, self._by_writer = (digests, tag, plan), plan.by_writer(self._world_size)
+        tag = self._plan[1]
+        return [None if r.holds == tag else Assignment(tag, self._by_writer[rank])
+                for rank, r in enumerate(sent)]

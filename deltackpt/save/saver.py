@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..collectives import Collective
-from ..errors import BrokenChainError
+from ..errors import BrokenChainError, StateError
 from ..format.layout import STEPS
 from ..format.manifest import Manifest
 from ..io.staging import StagingPool
@@ -31,10 +31,10 @@ from ..tracking.changes import ChangeTracker, TensorChange
 from .commit import commit
 from .decide import counts, decide
 from .local import plan_local, write_items
-from .planner import GlobalPlan, GlobalPlanner, LocalPlan
+from .planner import Assignment, GlobalPlanner, PlanRequest
 from .scan import PartScan, scan
 from .stage import open_writer, stage, write
-from .types import Committed, Kind, LocalState, SaveInfo, SavePlan, WriteResult
+from .types import Committed, Kind, LocalState, SaveInfo, SavePlan, WriteItem, WriteResult
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,8 @@ class Saver:
         self._head: Manifest | None = None  # the step the next delta applies to
         self._chain = ChainState(0, 0, 0)
         self._sent_digest: str | None = None  # this rank's last local plan, as sent
-        self._planner = GlobalPlanner(coll.size)
+        self._planner = GlobalPlanner(coll.size)  # used on the coordinator only
+        self._assignment: Assignment | None = None  # the parts this rank writes
         self._lease = lease.Claim(store.storage, ttl=lease_ttl, take_over=take_over)
 
     def stage(self, step: int, state: Mapping[str, Any], t0: float
@@ -77,13 +78,13 @@ class Saver:
         """Every phase up to ``stage``; returns ``finish(blocked_seconds)``, the write and commit
         (``blocked_seconds`` None: the caller waits for them too)."""
         storage = self.store.storage
-        sent, local = self._coll.each("plan_local", lambda: self._plan_local(step, state))
-        plan = self._global_plan(sent)
-        self._sent_digest = local.digest
-        items = write_items(plan, self._coll.rank, local)
+        items = self._write_items(step, state)
+        coordinator = self._coll.is_coordinator
+        plan = self._planner.plan if coordinator else None  # only the coordinator holds it
         everyone: list[PartScan] = []  # the coordinator's: every rank's scans, for the record
 
         def decide_now(scans: list[list[PartScan]]) -> SavePlan:
+            plan = self._planner.plan  # on the coordinator
             everyone.extend(s for per_rank in scans for s in per_rank)
             return decide(self.policy, self._head, self._chain, plan, everyone, step=step,
                           attempt=self.store.new_attempt(step), store=self.store,
@@ -94,15 +95,14 @@ class Saver:
             return scans, (scans, changes)
 
         save, (mine, changes) = self._coll.gather("scan", scan_here, decide_now, then_phase="decide")
-        coordinator = self._coll.is_coordinator
         writers = [open_writer(storage, save, self._coll.rank, self._pool, self._executor)]
         if coordinator:
             writers.append(StepWriter(storage, f"{STEPS}/{save.attempt}", self._pool, self._executor))
         held = counts(save.kind, ((it.key, it.part) for it in items), mine)
         try:
-            _, staged = self._coll.each("stage", lambda: (None, stage(
-                writers, self._pool, save, items, changes, held, self._sizes,
-                plan=plan if coordinator else None)))
+            _, staged = self._coll.gather("stage", lambda: (None, stage(
+                writers, self._pool, save, items, changes, held, self._sizes, plan=plan)),
+                lambda _: None, then_phase="stage")
         except BaseException:
             for w in writers:  # another rank failed: end the writes staged here
                 w.abandon()
@@ -110,7 +110,7 @@ class Saver:
         tensors = {it.key: it.tensor for it in items}
         if save.kind == Kind.BASE:  # hashed now, as staged: the background may run on after
             staged = self._tracker.hash_whole(tensors, staged)
-        record = partial(self._commit, save, plan, everyone)
+        record = partial(self._commit, save, everyone)
         return partial(self._write_and_commit, save, record, writers, tensors, staged, t0)
 
     def _write_and_commit(self, save: SavePlan, record: Callable[[list[WriteResult]], Committed],
@@ -131,14 +131,15 @@ class Saver:
                      info.blocked_seconds)
         return info
 
-    def _commit(self, save: SavePlan, plan: GlobalPlan, scans: list[PartScan],
-                results: list[WriteResult]) -> Committed:
-        """Coordinator: the commit record of every rank's ``results``; it becomes the head.
+    def _commit(self, save: SavePlan, scans: list[PartScan], results: list[WriteResult]) -> Committed:
+        """Coordinator: the commit record of every rank's ``results``; it becomes the head. (The
+        plan is the one ``save`` was staged under: the next save stages after this commit.)
 
         Raises:
             BrokenChainError: the record was withdrawn, its parent gone after ``decide`` looked
                 (a fenced writer's); the next save writes a base.
         """
+        plan = self._planner.plan
         manifest = commit(
             self.store, save, plan, counts(save.kind, plan.parts(), scans), results, head=self._head,
             world_size=self._coll.size, sizes=self._sizes, policy=self.policy.name,
@@ -153,13 +154,32 @@ class Saver:
         rows = sum(r.changed for r in manifest.tensors.values() if len(r.shape) >= 2)
         return Committed(manifest.bytes_written, manifest.state_bytes, rows)
 
-    def _plan_local(self, step: int, state: Mapping[str, Any]
-                    ) -> tuple[tuple[int, str, LocalPlan | None], LocalState]:
+    def _write_items(self, step: int, state: Mapping[str, Any]) -> tuple[WriteItem, ...]:
+        """``plan_local`` and ``plan_global``: this rank's local plan goes to the coordinator
+        (only when it changed), which makes the global plan (only when some rank's changed) and
+        sends each rank the parts it writes (only when it does not hold them yet)."""
+
+        def plan_global(sent: list[PlanRequest]) -> list[Assignment | None]:
+            self.store.storage.point("plan_global", "")
+            return self._planner.assign(sent, self._admit)
+
+        assignment, local = self._coll.gather("plan_local", lambda: self._plan_local(step, state),
+                                              plan_global, then_phase="plan_global", per_rank=True)
+        self._sent_digest = local.digest
+        if assignment is not None:
+            self._assignment = assignment
+        if self._assignment is None:
+            raise StateError("no plan: the coordinator sent none for a first save")
+        return write_items(self._assignment.parts, local)
+
+    def _plan_local(self, step: int, state: Mapping[str, Any]) -> tuple[PlanRequest, LocalState]:
         """This rank's local state, and what the coordinator needs of it (the plan only when it
         changed since the last save)."""
         self.store.storage.point("plan_local", "")
         local = plan_local(step, state, self._coll.rank, self._sizes)
-        return (step, local.digest, None if local.digest == self._sent_digest else local.plan), local
+        holds = None if self._assignment is None else self._assignment.tag
+        return PlanRequest(step, local.digest, None if local.digest == self._sent_digest else local.plan,
+                           holds), local
 
     def _advance(self, kind: Kind, done: Committed, tensors: dict[str, torch.Tensor],
                  changes: dict[str, TensorChange]) -> None:
@@ -173,15 +193,6 @@ class Saver:
             else ChainState(self._chain.deltas + 1, self._chain.delta_bytes + done.bytes_written,
                             self._chain.base_bytes)
         )
-
-    def _global_plan(self, sent: list[tuple[int, str, LocalPlan | None]]) -> GlobalPlan:
-        """The coordinator's global plan, reused while every rank's local plan is unchanged."""
-
-        def plan_global() -> GlobalPlan | None:
-            self.store.storage.point("plan_global", "")
-            return self._planner.update(sent, self._admit)
-
-        return self._planner.adopt(sent, self._coll.one("plan_global", plan_global))
 
     def _admit(self, step: int) -> None:
         """Coordinator: ``step`` may be saved, and this checkpointer holds the writer lease."""

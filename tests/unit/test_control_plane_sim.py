@@ -51,14 +51,14 @@ def saves_job(rank: int, world: int, root: str) -> dict:
     from deltackpt.save.planner import GlobalPlanner
 
     adopted: list = []
-    adopt = GlobalPlanner.adopt
+    assign = GlobalPlanner.assign
 
-    def spy(self, sent, fresh):
-        plan = adopt(self, sent, fresh)
-        adopted.append(plan)
-        return plan
+    def spy(self, sent, admit):
+        answers = assign(self, sent, admit)
+        adopted.append(self.plan)
+        return answers
 
-    GlobalPlanner.adopt = spy  # this child process's own class
+    GlobalPlanner.assign = spy  # this child process's own class
     groups = {n: dist.new_group(list(range(n)), backend="gloo") for n in range(1, world + 1)}
     out = {}
     for scheme in reshard.SCHEMES:
@@ -108,7 +108,7 @@ def test_simulation_matches_real_save(real, scheme, world):
     base, delta = (Manifest.from_json(r, f"commits/{s}") for s, r in zip((1, 2), records, strict=True))
     assert (base.kind, delta.kind) == ("base", "delta")
     by_part = {(k, p.path): p.changed for k, t in delta.tensors.items() for p in t.parts}
-    run = sim.simulate(world, state_of(scheme, world), sizes=SIZES, policy=EveryK(100), sample=world,
+    run = sim.simulate(world, state_of(scheme, world), sizes=SIZES, policy=EveryK(100),
                        changed=lambda key, part, t: by_part[(key, part.path)])
     assert run.plans == plans
     assert [comparable(m) for m in run.records] == [comparable(base), comparable(delta)]
@@ -118,7 +118,7 @@ def test_simulation_matches_real_save(real, scheme, world):
 def test_bench_job_shards_unevenly_and_leaves_ranks_empty():
     job = sim.Job(world=6, tensors=20, col_group=4)
     states = [job.state(r, 1)["tensors"] for r in range(job.world)]
-    run = sim.simulate(job.world, job.state, changed=sim.changed_share(0.1), sample=job.world)
+    run = sim.simulate(job.world, job.state, changed=sim.changed_share(0.1))
     plan = run.plans[-1]
     schemes = {f"tensors/{name}": scheme for name, scheme, *_ in job.layout()}
     assert set(plan.tensors) == set(schemes)
@@ -136,3 +136,17 @@ def test_bench_job_shards_unevenly_and_leaves_ranks_empty():
     sent = [p for p in run.phases if p.name == "2: plan_local"][0]
     assert sent.sent_max < 200
     assert run.plans[0] is run.plans[1]
+
+
+def test_no_rank_but_the_coordinator_receives_what_grows_with_the_world():
+    runs = {w: sim.simulate(w, sim.Job(world=w, tensors=20, col_group=4).state,
+                            changed=sim.changed_share(0.1)) for w in (6, 48)}
+    for w, run in runs.items():
+        # a later save, the layout unchanged: a few hundred bytes (the decision, the totals)
+        assert run.rank_received(2) < 1024, (w, run.rank_received(2))
+        coordinator = sum(p.received for p in run.phases if p.name.startswith("2: ") and "from_json" not in p.name)
+        assert coordinator > w * 100  # every rank's digest, scans and write results
+    # a new layout: each rank receives its own parts, about as many in a world 8x the size
+    first = {w: run.rank_received(1) for w, run in runs.items()}
+    parts = {w: sum(len(t.parts) for t in run.plans[0].tensors.values()) for w, run in runs.items()}
+    assert parts[48] > 6 * parts[6] and first[48] < 1.5 * first[6], (parts, first)

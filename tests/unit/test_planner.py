@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import deltackpt.save.planner as planner_module
-from deltackpt import Checkpointer, StateError
-from deltackpt.save.planner import ItemInfo, LocalPlan, make_global_plan
+from deltackpt import Checkpointer, StateError, StepExistsError
+from deltackpt.save.planner import GlobalPlanner, ItemInfo, LocalPlan, PlanRequest, make_global_plan
 from deltackpt.sharding import Box, check_tiling
 
 TREE = {"dict": []}
@@ -92,3 +92,47 @@ def test_the_global_plan_is_cached_while_the_layout_holds(store_path, monkeypatc
         assert len(calls) == 1
         ckpt.save(2, {"w": w, "b": torch.zeros(3)})
         assert len(calls) == 2
+
+
+def _requests(step: int, plans: list[LocalPlan], holds: list[str | None], sent: list[str | None]
+              ) -> list[PlanRequest]:
+    """What each rank sends: its plan only when its digest differs from the one it sent last."""
+    return [PlanRequest(step, p.digest(), None if p.digest() == s else p, h)
+            for p, h, s in zip(plans, holds, sent, strict=True)]
+
+
+def test_each_rank_receives_its_own_parts_and_only_when_it_lacks_them():
+    def layout(rows: int) -> list[LocalPlan]:
+        block = rows // 3
+        return [plan_of(r, item("t", (rows, 4), (block * r, 0), (block, 4)),
+                        item(f"own{r}", (2,), (0,), (2,))) for r in range(3)]
+
+    planner = GlobalPlanner(3)
+    plans = layout(30)
+    answers = planner.assign(_requests(1, plans, [None] * 3, [None] * 3), lambda step: None)
+    assert all(a is not None for a in answers)
+    assert [sorted(k for k, _ in a.parts) for a in answers] == [["own0", "t"], ["own1", "t"], ["own2", "t"]]
+    assert {(k, p) for a in answers for k, p in a.parts} == set(planner.plan.parts())
+    assert all(p.writer == r for r, a in enumerate(answers) for _, p in a.parts)
+    tag = answers[0].tag
+    # The layout holds: digests only, and no rank receives anything, but one that lost its parts.
+    digests = [p.digest() for p in plans]
+    again = planner.assign(_requests(2, plans, [tag, None, tag], digests), lambda step: None)
+    assert again[0] is None and again[2] is None and again[1] == answers[1]
+    # One rank's layout changes: every rank receives its parts of the new plan.
+    moved = layout(60)
+    fresh = planner.assign(_requests(3, moved, [tag] * 3, digests), lambda step: None)
+    assert all(a is not None and a.tag != tag for a in fresh)
+    assert [p.box.shape for a in fresh for k, p in a.parts if k == "t"] == [(20, 4)] * 3
+
+
+def test_assign_refuses_steps_that_differ_and_a_rank_without_a_plan():
+    plans = [plan_of(r, item("t", (4,), (2 * r,), (2,))) for r in range(2)]
+    planner = GlobalPlanner(2)
+    requests = _requests(1, plans, [None] * 2, [None] * 2)
+    with pytest.raises(StepExistsError, match=r"ranks save different steps: \[1, 2\]"):
+        planner.assign([requests[0], PlanRequest(2, requests[1].digest, requests[1].plan, None)],
+                       lambda step: None)
+    with pytest.raises(StateError, match=r"no local plan from ranks \[1\]"):
+        GlobalPlanner(2).assign([requests[0], PlanRequest(1, requests[1].digest, None, None)],
+                                lambda step: None)
