@@ -279,12 +279,12 @@ def _add_retention(p: argparse.ArgumentParser) -> None:
 def cmd_export(args: argparse.Namespace) -> int:
     from .ops.export import export
 
-    store = _store(args.path)
+    store = _store(args.path, _options(args))
     steps = store.steps()
     step = args.step if args.step is not None or not steps else steps[-1]
     total = store.manifest(step).state_bytes if step is not None else 0
     with progress_bar(total, f"export {args.to}") as bar:
-        info = export(args.path, args.step, args.to, args.out, world_size=args.world_size,
+        info = export(store.storage, args.step, args.to, args.out, world_size=args.world_size,
                       keys=args.keys, prefix=args.prefix, dtype=args.dtype, overwrite=args.force,
                       shard_bytes=args.shard_bytes, memory_budget=args.memory_budget,
                       progress=bar.update)
@@ -299,7 +299,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     from .ops.importing import import_checkpoint
 
-    info = import_checkpoint(args.src, args.path, args.step)
+    info = import_checkpoint(args.src, args.path, args.step, storage_options=_options(args))
     if args.json:
         _print_json(asdict(info))
     else:
@@ -311,7 +311,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 def cmd_tail(args: argparse.Namespace) -> int:
     from .tail import write_step_json, write_step_safetensors
 
-    with Checkpointer(args.path, create=False) as ckpt:
+    with Checkpointer(args.path, create=False, storage_options=_options(args)) as ckpt:
         for delta in ckpt.deltas(since=args.from_step):
             if args.out:
                 path = write_step_safetensors(delta, args.out)
@@ -387,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_gc)
 
     p = sub.add_parser("export", help="write a step as a DCP checkpoint, safetensors or a torch.save file")
-    p.add_argument("path", help="store directory")
+    _add_path(p)
     p.add_argument("--step", type=int, default=None, help="the step (default: the latest)")
     p.add_argument("--to", required=True, choices=["dcp", "safetensors", "torch"], help="the format")
     p.add_argument("out", help="the folder (dcp, safetensors) or file (torch) to create")
@@ -408,13 +408,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("import", help="commit a DCP checkpoint, safetensors or torch.save file as a base")
     p.add_argument("src", help="a DCP folder, a safetensors file or folder, or a torch.save file")
-    p.add_argument("path", help="store directory (created if absent)")
+    _add_path(p)
     p.add_argument("--step", type=int, required=True, help="the step to commit it as")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("tail", help="print what changed at each step after --from, as JSON lines")
-    p.add_argument("path", help="store directory")
+    _add_path(p)
     p.add_argument("--from", dest="from_step", type=int, default=None, metavar="S",
                    help="the step the consumer holds (default: from the first step)")
     p.add_argument("--out", default=None, metavar="DIR",

@@ -129,6 +129,29 @@ def test_the_command_line_reaches_the_bucket_by_option_and_by_environment(s3_ser
     assert "Traceback" not in done.stderr
 
 
+def test_export_import_and_tail_reach_the_bucket_by_option(s3_url, s3_options, tmp_path, capsys):
+    with Checkpointer(s3_url, storage_options=s3_options) as ckpt:
+        for s in (1, 2, 3):
+            ckpt.save(s, reference(s))
+    flags = [a for k, v in s3_options.items() for a in ("--storage-option", f"{k}={v}")]
+    out = tmp_path / "step2.pt"
+    assert main(["export", s3_url, "--step", "2", "--to", "torch", str(out), *flags]) == 0
+    assert_exact(torch.load(out, weights_only=True), reference(2))
+    copy = f"{s3_url}-imported"
+    assert main(["import", str(out), copy, "--step", "20", *flags]) == 0
+    with Checkpointer(copy, storage_options=s3_options, create=False) as ckpt:
+        assert ckpt.steps() == [20]
+        assert_exact(ckpt.load(20), reference(2))
+    capsys.readouterr()
+    assert main(["tail", s3_url, "--from", "1", *flags]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["step"] for line in lines] == [2, 3]
+    for command in (["export", s3_url, "--to", "torch", str(tmp_path / "x.pt")],
+                    ["import", str(out), copy, "--step", "21"], ["tail", s3_url]):
+        assert main([*command, "--storage-option", "region"]) == 1, command
+        assert "KEY=VALUE" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("step_bytes", [40 << 20])
 def test_a_large_base_goes_up_in_parts_and_restores_exactly(s3_url, s3_options, step_bytes):
     gen = torch.Generator().manual_seed(1)
