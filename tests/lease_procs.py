@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deltackpt import Checkpointer, LocalStorage
+from deltackpt import Checkpointer
 from deltackpt.ops import lease
 from deltackpt.ops.gc import Retention
-from deltackpt.storage import FaultInjection
+from deltackpt.storage import FaultInjection, open_storage
 from faults import state_at
 
 SMALL = {"chunk_bytes": 1024, "memory_budget": 4096}
@@ -77,22 +77,27 @@ def _report(out: str, job) -> None:
     Path(out).write_text(json.dumps(doc))
 
 
-def _open(path: str, pause: Pause | list[Pause] | None, **kwargs: Any) -> Checkpointer:
+def _open(path: str, pause: Pause | list[Pause] | None, storage_options: dict | None = None,
+          **kwargs: Any) -> Checkpointer:
+    """The store at ``path`` (a folder or an ``s3://`` URL reached with ``storage_options``),
+    stopping at ``pause``."""
     pauses = [] if pause is None else pause if isinstance(pause, list) else [pause]
 
     def at_point(phase: str, key: str) -> None:
         for p in pauses:
             p(phase, key)
 
-    return Checkpointer(FaultInjection(LocalStorage(path), at_point), **SMALL, **kwargs)
+    storage = FaultInjection(open_storage(path, storage_options), at_point)
+    return Checkpointer(storage, **SMALL, **kwargs)
 
 
-def race_save(path: str, barrier: Any, step: int, out: str) -> None:
+def race_save(path: str, barrier: Any, step: int, out: str,
+              storage_options: dict | None = None) -> None:
     """Opens the store with ``take_over=True``, restores the latest step, waits for every racer,
     then saves ``step``."""
 
     def job() -> str:
-        ckpt = _open(path, None, take_over=True)
+        ckpt = _open(path, None, storage_options, take_over=True)
         latest = ckpt.latest_step()
         ckpt.restore(state_at(latest), latest)
         barrier.wait()
@@ -106,14 +111,15 @@ def race_save(path: str, barrier: Any, step: int, out: str) -> None:
 
 def save_steps(path: str, steps: list[int], out: str, pause: Pause | list[Pause] | None = None,
                restore: int | None = None, take_over: bool = False, ttl: float = lease.DEFAULT_TTL,
-               host: str | None = None, then_sleep: float = 0.0) -> None:
+               host: str | None = None, then_sleep: float = 0.0,
+               storage_options: dict | None = None) -> None:
     """Restores ``restore`` (default: the latest step, if any) and saves ``steps``; then holds
     the lease ``then_sleep`` seconds (renewing it) and closes. ``host`` pretends to run there."""
     if host is not None:
         lease._HOST = host
 
     def job() -> dict:
-        ckpt = _open(path, pause, take_over=take_over, lease_ttl=ttl)
+        ckpt = _open(path, pause, storage_options, take_over=take_over, lease_ttl=ttl)
         at = ckpt.latest_step() if restore is None else restore
         if at is not None:
             ckpt.restore(state_at(at), at)
@@ -129,11 +135,12 @@ def save_steps(path: str, steps: list[int], out: str, pause: Pause | list[Pause]
     _report(out, job)
 
 
-def gc_job(path: str, keep_last: int, out: str, pause: Pause | None = None) -> None:
+def gc_job(path: str, keep_last: int, out: str, pause: Pause | None = None,
+           storage_options: dict | None = None) -> None:
     """Runs GC keeping the newest ``keep_last`` steps, with no grace period."""
 
     def job() -> dict:
-        with _open(path, pause) as ckpt:
+        with _open(path, pause, storage_options) as ckpt:
             report = ckpt.gc(Retention(keep_last=keep_last), grace_seconds=0)
         return {"dropped_steps": report.dropped_steps, "deleted": report.deleted}
 
