@@ -4,8 +4,9 @@
 commit record (and the writer lease) is created by a ``PUT`` with ``If-None-Match: *``, which the
 server refuses with ``412`` when the key exists, and :meth:`S3Storage.swap` replaces a small
 object by a ``PUT`` (or ``DELETE``) with ``If-Match`` on its ETag. Before its first conditional
-write the backend checks that the server honours the precondition (a server that ignores it would
-let two writers both "commit" a step) and refuses the store with
+write the backend checks that the server honours both preconditions, on ``PUT`` and ``DELETE``
+(a server that ignores ``If-None-Match`` would let two writers both "commit" a step, one that
+ignores ``If-Match`` two writers both hold the lease) and refuses the store with
 :class:`~deltackpt.errors.StoreError` otherwise, unless ``conditional_writes=False`` says to go on
 without it, which is unsafe with two writers.
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 import builtins
 import errno
 import logging
-import re
 import threading
 import time
 import uuid
@@ -36,11 +36,14 @@ from typing import Any, TypeVar
 from ..errors import StoreError
 from .base import Capabilities, PointHook, check_key
 from .s3_config import S3Config
+from .s3_errors import (RangeNotSatisfiable, Refused, first_line, past_the_end, retried_by_client,
+                        transient)
 from .s3_requests import SignedRequests
 
 log = logging.getLogger(__name__)
 
 PROBE_PREFIX = ".deltackpt-probe"
+STALE_ETAG = '"00000000000000000000000000000000"'  # an ETag no probe object has
 T = TypeVar("T")
 
 
@@ -153,7 +156,7 @@ class S3Storage:
 
         try:
             return int(self._call("read", key, fetch))
-        except _RangeNotSatisfiable:
+        except RangeNotSatisfiable:
             size = self.size(key)  # offset at or past the end: nothing to copy
             if size is None:
                 raise FileNotFoundError(f"no such object: {self.url}/{key}") from None
@@ -230,7 +233,7 @@ class S3Storage:
         try:
             self._call("swap", key, lambda: self._obs.put(self._store, self._root + key, new, mode=mode,
                                                           use_multipart=False))
-        except _Refused as e:
+        except Refused as e:
             return e.retried and self._holds(key, new)
         return True
 
@@ -280,7 +283,7 @@ class S3Storage:
         try:
             self._call("write", key, lambda: self._obs.put(
                 self._store, self._root + key, body, mode=mode, use_multipart=False))
-        except _Refused as e:
+        except Refused as e:
             if not (e.retried and self._holds(key, bytes(body))):
                 raise
 
@@ -293,28 +296,40 @@ class S3Storage:
             return False
 
     def _check_conditional_writes(self) -> None:
-        """Once per storage: a second create-only PUT of one key must be refused."""
+        """Once per storage, on a probe object: a second create-only ``PUT``, and a ``PUT`` and a
+        ``DELETE`` with ``If-Match`` on an ETag the object does not have, must each be refused
+        (commits rely on the first, the writer lease on the other two)."""
         if self._probed:
             return
         with self._probe_lock:
             if self._probed:
                 return
             key = f"{PROBE_PREFIX}/{uuid.uuid4().hex}"
-            body = b"deltackpt checks that this server honours If-None-Match"
+            body = b"deltackpt checks that this server honours If-None-Match and If-Match"
             self._create(key, body)
+
+            def refused(mode: Any) -> bool:
+                try:
+                    self._call("probe", key, lambda: self._obs.put(
+                        self._store, self._root + key, body + b"!", mode=mode, use_multipart=False))
+                except FileExistsError:
+                    return True
+                return False
+
             try:
-                self._call("probe", key, lambda: self._obs.put(
-                    self._store, self._root + key, body + b"!", mode="create", use_multipart=False))
-                honoured = False
-            except FileExistsError:
-                honoured = True
+                ignored = [name for name, honoured in (
+                    ("If-None-Match on PUT", lambda: refused("create")),
+                    ("If-Match on PUT", lambda: refused({"e_tag": STALE_ETAG})),
+                    ("If-Match on DELETE", lambda: not self._signed.delete_if_match(key, STALE_ETAG)),
+                ) if not honoured()]
             finally:
                 self.delete(key)
-            if not honoured:
+            if ignored:
                 raise StoreError(None, f"the S3 server at {self.config.server} ignores "
-                                       "If-None-Match on PUT, so two writers could both commit a "
-                                       "step; refusing it (storage_options conditional_writes="
-                                       "False goes on without, unsafe with two writers)")
+                                       f"{' and '.join(ignored)}, so two writers could both commit "
+                                       "a step or hold the writer lease; refusing it "
+                                       "(storage_options conditional_writes=False goes on "
+                                       "without, unsafe with two writers)")
             self._probed = True
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -348,51 +363,21 @@ class S3Storage:
             except exceptions.NotFoundError:
                 raise FileNotFoundError(f"no such object: {self.url}/{key}") from None
             except (exceptions.AlreadyExistsError, exceptions.PreconditionError) as e:
-                retried = tries > 1 or _RETRIED.search(str(e)) is not None
-                raise _Refused(retried, f"object exists: {self.url}/{key}") from None
+                retried = tries > 1 or retried_by_client(str(e))
+                raise Refused(retried, f"object exists: {self.url}/{key}") from None
             except (exceptions.PermissionDeniedError, exceptions.UnauthenticatedError) as e:
                 raise StoreError(errno.EACCES, f"{op} {self.url}/{key} refused: "
-                                               f"{_first_line(e)}") from None
+                                               f"{first_line(e)}") from None
             except exceptions.BaseError as e:
                 text = str(e)
-                if _STATUS_416.search(text) or "InvalidRange" in text:
-                    raise _RangeNotSatisfiable() from None
-                if time.monotonic() + delay > deadline or not _transient(text):
+                if past_the_end(text):
+                    raise RangeNotSatisfiable() from None
+                if time.monotonic() + delay > deadline or not transient(text):
                     raise StoreError(errno.EIO, f"{op} {self.url}/{key} failed: "
-                                                f"{_first_line(e)}") from None
-                log.debug("%s %s/%s: %s; retrying in %.2f s", op, self.url, key, _first_line(e), delay)
+                                                f"{first_line(e)}") from None
+                log.debug("%s %s/%s: %s; retrying in %.2f s", op, self.url, key, first_line(e), delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
-
-
-class _Refused(FileExistsError):
-    """A conditional request was refused (412, or 409 on a create); ``retried``: the request had
-    been sent before, so the refusal may be of its own first try."""
-
-    def __init__(self, retried: bool, message: str):
-        super().__init__(errno.EEXIST, message)
-        self.retried = retried
-
-
-class _RangeNotSatisfiable(Exception):
-    """A ranged GET started at or past the end of the object."""
-
-
-_RETRIED = re.compile(r"\bretries: [1-9]")  # the client's own retries, not max_retries
-_STATUS_416 = re.compile(r"status(?: code)?: 416\b")
-_STATUS_RETRY = re.compile(r"status(?: code)?: (?:5\d\d|429)\b")
-_BROKEN = ("SlowDown", "connection", "Connection", "timed out", "timeout", "reset", "closed",
-           "broken pipe", "incomplete", "error sending request", "error decoding response body")
-
-
-def _transient(text: str) -> bool:
-    """Whether a client error is worth another try: throttling, 5xx, a broken connection."""
-    return _STATUS_RETRY.search(text) is not None or any(w in text for w in _BROKEN)
-
-
-def _first_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def open_s3(url: str, options: Mapping[str, Any]) -> S3Storage:

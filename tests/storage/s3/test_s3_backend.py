@@ -86,6 +86,20 @@ def test_a_server_that_ignores_if_none_match_is_refused_unless_opted_out(s3_serv
     assert not unsafe.put_if_absent("commits/1.json", b"{}")
 
 
+@pytest.mark.parametrize("method", ["PUT", "DELETE"])
+def test_a_server_that_ignores_if_match_is_refused_unless_opted_out(s3_server, proxy, method):
+    # The proxy answers the probe's request with a stale If-Match itself, as a server that ignores
+    # the precondition would; the writer lease's compare-and-swap relies on it.
+    proxy.add(Fault("fake_ok", method=method, path=r"\.deltackpt-probe/", header="If-Match"))
+    storage = _through(proxy, s3_server)
+    with pytest.raises(StoreError, match=f"server at {proxy.endpoint_url} ignores If-Match on {method}"):
+        storage.swap("writer.lease", None, b"lease")
+    assert storage.size("writer.lease") is None
+    assert [e.target for e in proxy.log if e.fault] != []
+    unsafe = _through(proxy, s3_server, conditional_writes=False)
+    assert unsafe.swap("writer.lease", None, b"lease")
+
+
 def test_a_read_of_part_of_an_object_downloads_only_that_part(s3_server, proxy):
     storage = _through(proxy, s3_server)
     data = bytes(range(256)) * (16 * 1024)  # 4 MiB
