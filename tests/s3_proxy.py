@@ -66,6 +66,7 @@ class Exchange:
     fault: str = ""
     wire_sent: int = 0  # the request as sent: request line, headers and body
     wire_received: int = 0  # the answer as sent back: status line, headers and body
+    payload: str = ""  # the request's x-amz-content-sha256: its body's digest, or UNSIGNED-PAYLOAD
 
 
 @dataclass
@@ -174,7 +175,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             answer_head = len(f"HTTP/1.1 {resp.status} {resp.reason}\r\n") + sum(
                 len(f"{k}: {v}\r\n") for k, v in out.items()) + len(f"Content-Length: {len(data)}\r\n\r\n")
             self.owner._record(Exchange(self.command, self.path, length, len(data), "",
-                                        head + length, answer_head + len(data)))
+                                        head + length, answer_head + len(data),
+                                        self.headers.get("x-amz-content-sha256", "")))
             self._answer(resp.status, data, out)
         finally:
             up.close()

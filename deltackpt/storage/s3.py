@@ -11,8 +11,9 @@ ignores ``If-Match`` two writers both hold the lease) and refuses the store with
 without it, which is unsafe with two writers.
 
 Data objects are written with one ``PUT``, or a multipart upload in parallel parts above
-``multipart_bytes``; reads of part of an object are ranged ``GET`` s, so a chunk inside a pack never
-downloads the whole pack. A completed ``PUT`` is durable, so :meth:`S3Storage.sync` has nothing to
+``multipart_bytes``, with an unsigned payload (the signed commit record holds their checksums);
+reads of part of an object are ranged ``GET`` s, so a chunk inside a pack never downloads the
+whole pack. A completed ``PUT`` is durable, so :meth:`S3Storage.sync` has nothing to
 do. Requests are retried with exponential backoff on throttling (``503 SlowDown``), other ``5xx``
 and dropped connections until ``retry_timeout`` seconds have passed since the first attempt.
 
@@ -83,16 +84,23 @@ class S3Storage:
             if config.session_token:
                 kwargs["session_token"] = config.session_token
         deadline = timedelta(seconds=config.retry_timeout)
-        self._store = S3Store(
-            config.bucket,
-            client_options={"allow_http": config.endpoint_url.startswith("http://"),
-                            "connect_timeout": timedelta(seconds=10),
-                            "timeout": timedelta(seconds=max(30.0, config.retry_timeout))},
-            retry_config={"max_retries": 1000, "retry_timeout": deadline,
-                          "backoff": {"init_backoff": timedelta(milliseconds=50),
-                                      "max_backoff": timedelta(seconds=5), "base": 2}},
-            **kwargs,
-        )
+
+        def client(*, unsigned_payload: bool) -> Any:
+            return S3Store(
+                config.bucket,
+                client_options={"allow_http": config.endpoint_url.startswith("http://"),
+                                "connect_timeout": timedelta(seconds=10),
+                                "timeout": timedelta(seconds=max(30.0, config.retry_timeout))},
+                retry_config={"max_retries": 1000, "retry_timeout": deadline,
+                              "backoff": {"init_backoff": timedelta(milliseconds=50),
+                                          "max_backoff": timedelta(seconds=5), "base": 2}},
+                unsigned_payload=unsigned_payload, **kwargs)
+
+        self._store = client(unsigned_payload=False)
+        # Data objects go up without a SHA-256 of their body in the signature, which client and
+        # server would each compute over every byte: the commit record (signed) holds each
+        # object's checksum, which every read checks.
+        self._data_store = client(unsigned_payload=True)
         self._signed = SignedRequests(config)
         self._probe_lock = threading.Lock()
         self._probed = not config.conditional_writes
@@ -113,7 +121,7 @@ class S3Storage:
             body += p.cast("B") if p.format != "B" or p.ndim != 1 else p
         if len(body) < self.config.multipart_bytes:
             try:
-                self._create(key, body)
+                self._create(key, body, self._data_store)
             except FileExistsError:
                 raise StoreError(errno.EEXIST, f"object exists: {self.url}/{key}") from None
             return
@@ -122,7 +130,7 @@ class S3Storage:
         if self.size(key) is not None:
             raise StoreError(errno.EEXIST, f"object exists: {self.url}/{key}")
         self._call("write", key, lambda: self._obs.put(
-            self._store, self._root + key, body, use_multipart=True,
+            self._data_store, self._root + key, body, use_multipart=True,
             chunk_size=self.config.part_bytes, max_concurrency=self.config.part_concurrency))
 
     def sync(self, keys: Iterable[str]) -> None:
@@ -275,14 +283,15 @@ class S3Storage:
 
     # -- conditional writes -------------------------------------------------------------------
 
-    def _create(self, key: str, body: Any) -> None:
-        """PUTs ``key`` only if absent (unless conditional writes are off); raises
-        FileExistsError when another object has the key. A request sent again after its answer
-        was lost, then refused, finds its own object there: that counts as created."""
+    def _create(self, key: str, body: Any, store: Any = None) -> None:
+        """PUTs ``key`` only if absent (unless conditional writes are off) through ``store``
+        (default: the signed client); raises FileExistsError when another object has the key. A
+        request sent again after its answer was lost, then refused, finds its own object there:
+        that counts as created."""
         mode = "create" if self.config.conditional_writes else "overwrite"
         try:
             self._call("write", key, lambda: self._obs.put(
-                self._store, self._root + key, body, mode=mode, use_multipart=False))
+                store or self._store, self._root + key, body, mode=mode, use_multipart=False))
         except Refused as e:
             if not (e.retried and self._holds(key, bytes(body))):
                 raise

@@ -3,6 +3,7 @@ multipart uploads, and retries through faults injected by a proxy between client
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import uuid
@@ -98,6 +99,25 @@ def test_a_server_that_ignores_if_match_is_refused_unless_opted_out(s3_server, p
     assert [e.target for e in proxy.log if e.fault] != []
     unsafe = _through(proxy, s3_server, conditional_writes=False)
     assert unsafe.swap("writer.lease", None, b"lease")
+
+
+def test_data_goes_up_unsigned_and_records_and_the_lease_signed(s3_server, proxy):
+    storage = _through(proxy, s3_server, multipart_bytes=str(5 << 20), part_bytes=str(5 << 20))
+    small, large = b"chunk" * 1000, bytes(range(256)) * (24 * 1024)  # 5 KB, 6 MiB in 2 parts
+    storage.write("steps/1-a/pack.0/zarr.json", [memoryview(small)])
+    storage.write("steps/1-a/pack.0/c.0", [memoryview(large)])
+    proxy.clear()
+    assert storage.put_if_absent("commits/1.json", b"{}")
+    assert storage.swap("writer.lease", None, b"lease") and storage.swap("writer.lease", b"lease", b"2")
+    signed = [e for e in proxy.log if e.method == "PUT"]
+    assert signed and all(re.fullmatch("[0-9a-f]{64}", e.payload) for e in signed), signed
+    proxy.clear()
+    storage.write("steps/1-b/zarr.json", [memoryview(small)])
+    storage.write("steps/1-b/pack.0/c.0", [memoryview(large)])
+    data = [e for e in proxy.log if e.method == "PUT"]
+    assert len(data) == 3 and {e.payload for e in data} == {"UNSIGNED-PAYLOAD"}, data
+    # Every read still checks what came back against the record's checksums (test_s3_checkpoints).
+    assert storage.read("steps/1-b/pack.0/c.0") == large
 
 
 def test_a_read_of_part_of_an_object_downloads_only_that_part(s3_server, proxy):
