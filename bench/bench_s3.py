@@ -159,8 +159,9 @@ def run_round(name: str, lib: Any, args: argparse.Namespace, times: dict[str, li
           f"{times[f'{name}: restore'][-1]:7.2f} s   1% delta save {t:7.2f} s", flush=True)
 
 
-def wire_bytes(server, args: argparse.Namespace) -> tuple[int, int, int]:
-    """Bytes a 1% delta of deltackpt puts on the wire to S3 and the bytes it stores."""
+def wire_bytes(server, args: argparse.Namespace) -> tuple[int, int, int, dict[str, int]]:
+    """Bytes a 1% delta of deltackpt puts on the wire to S3, the bytes it stores and its requests
+    by method."""
     proxy = S3Proxy(server.endpoint_url)
     try:
         url = f"s3://{BUCKET}/wire-{uuid.uuid4().hex[:8]}"
@@ -176,7 +177,10 @@ def wire_bytes(server, args: argparse.Namespace) -> tuple[int, int, int]:
             raise SystemExit(f"the 1% change was saved as a {kind}")
         sent = sum(e.wire_sent for e in proxy.log)
         received = sum(e.wire_received for e in proxy.log)
-        return sent, received, stored
+        methods: dict[str, int] = {}
+        for e in proxy.log:
+            methods[e.method] = methods.get(e.method, 0) + 1
+        return sent, received, stored, methods
     finally:
         proxy.stop()
 
@@ -211,13 +215,14 @@ def main() -> None:
                     lib = DCP(f"s3://{BUCKET}/dcp-{tag}", server.endpoint_url)
                     run_round("DCP fsspec s3fs", lib, args, times, None)
             reserve.hold()
-        sent, received, stored = wire_bytes(server, args)
+        sent, received, stored, methods = wire_bytes(server, args)
         print(f"\n| op | median s | GB/s of state |\n| --- | --- | --- |")
         for op, ts in times.items():
             m = statistics.median(ts)
             print(f"| {op} | {m:.2f} | {nbytes / m / 1e9:.2f} |")
         print(f"\n1% delta on S3: {stored:,} B stored; {sent:,} B sent and {received:,} B received over "
-              f"the wire ({sent / stored:.3f}x the stored bytes sent)")
+              f"the wire ({sent / stored:.3f}x the stored bytes sent); {sum(methods.values())} "
+              f"requests ({', '.join(f'{n} {m}' for m, n in sorted(methods.items()))})")
     finally:
         server.stop()
         shutil.rmtree(scratch, ignore_errors=True)
