@@ -13,14 +13,15 @@ bit. Then, for deltackpt on S3, one more 1% delta goes through a counting proxy 
 request and answer bytes (request lines, headers and bodies) over the wire, beside the bytes the
 delta stored.
 
-Run: ``python bench/bench_s3.py [--rows N] [--rounds R]`` (starts and stops its own SeaweedFS;
-needs ``pip install -e '.[test]' s3fs``). Prints a line per op and round, then a markdown table of
+Run: ``python bench/bench_s3.py [--rows N] [--rounds R]`` (starts a SeaweedFS of its own for each
+S3 target's round and stops it after, which removes its data; needs ``pip install -e '.[test]' s3fs``). Prints a line per op and round, then a markdown table of
 medians.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -28,6 +29,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,7 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from common import Reserve, evict  # noqa: E402
 from s3_proxy import S3Proxy  # noqa: E402
-from s3_server import ACCESS_KEY, REGION, SECRET_KEY, start_seaweedfs  # noqa: E402
+from s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, start_seaweedfs  # noqa: E402
 
 from deltackpt import Checkpointer  # noqa: E402
 
@@ -172,17 +174,31 @@ def wire_bytes(server, args: argparse.Namespace) -> tuple[int, int, int, dict[st
         change_one_percent(state, args, seed=2)
         proxy.clear()
         kind, stored = lib.save(1, state)
+        log = list(proxy.log)  # the save's requests, not those of the lease's release at close
         lib.close()
         if kind != "delta":
             raise SystemExit(f"the 1% change was saved as a {kind}")
-        sent = sum(e.wire_sent for e in proxy.log)
-        received = sum(e.wire_received for e in proxy.log)
+        sent = sum(e.wire_sent for e in log)
+        received = sum(e.wire_received for e in log)
         methods: dict[str, int] = {}
-        for e in proxy.log:
+        for e in log:
             methods[e.method] = methods.get(e.method, 0) + 1
         return sent, received, stored, methods
     finally:
         proxy.stop()
+
+
+@contextlib.contextmanager
+def fresh_server() -> Iterator[S3Server]:
+    """A SeaweedFS of its own for one target's round: stopping it removes its data, so the run
+    never holds more than one round of one target on disk (all rounds of the full state in one
+    server filled 21 GB)."""
+    server = start_seaweedfs()
+    try:
+        server.make_bucket(BUCKET)
+        yield server
+    finally:
+        server.stop()
 
 
 def main() -> None:
@@ -193,29 +209,31 @@ def main() -> None:
     p.add_argument("--targets", default="s3,local,dcp-s3fs")
     args = p.parse_args()
     nbytes = sum(t.numel() * t.element_size() for t in tensors(make_state(args)).values())
-    server = start_seaweedfs()
     scratch = tempfile.mkdtemp(prefix="bench-s3-", dir=os.environ.get("BENCH_DIR", "."))
     reserve = Reserve(0)
     try:
-        server.make_bucket(BUCKET)
         print(f"state {nbytes:,} B ({args.tables} tables of {args.rows:,} x 128 fp32 + Adagrad, "
-              f"dense MLP + Adam); SeaweedFS at {server.endpoint_url}; {os.cpu_count()} cores", flush=True)
+              f"dense MLP + Adam); a fresh local SeaweedFS per S3 round; {os.cpu_count()} cores",
+              flush=True)
         times: dict[str, list[float]] = {}
         for r in range(args.rounds):
             for target in args.targets.split(","):
                 tag = uuid.uuid4().hex[:8]
                 if target == "s3":
-                    lib: Any = Deltackpt(f"s3://{BUCKET}/{tag}", server.options())
-                    run_round("deltackpt s3", lib, args, times, None)
+                    with fresh_server() as server:
+                        lib: Any = Deltackpt(f"s3://{BUCKET}/{tag}", server.options())
+                        run_round("deltackpt s3", lib, args, times, None)
                 elif target == "local":
                     path = os.path.join(scratch, tag)
                     run_round("deltackpt local dir", Deltackpt(path, None), args, times, path)
                     shutil.rmtree(path)
                 else:
-                    lib = DCP(f"s3://{BUCKET}/dcp-{tag}", server.endpoint_url)
-                    run_round("DCP fsspec s3fs", lib, args, times, None)
+                    with fresh_server() as server:
+                        lib = DCP(f"s3://{BUCKET}/dcp-{tag}", server.endpoint_url)
+                        run_round("DCP fsspec s3fs", lib, args, times, None)
             reserve.hold()
-        sent, received, stored, methods = wire_bytes(server, args)
+        with fresh_server() as server:
+            sent, received, stored, methods = wire_bytes(server, args)
         print(f"\n| op | median s | GB/s of state |\n| --- | --- | --- |")
         for op, ts in times.items():
             m = statistics.median(ts)
@@ -224,7 +242,6 @@ def main() -> None:
               f"the wire ({sent / stored:.3f}x the stored bytes sent); {sum(methods.values())} "
               f"requests ({', '.join(f'{n} {m}' for m, n in sorted(methods.items()))})")
     finally:
-        server.stop()
         shutil.rmtree(scratch, ignore_errors=True)
 
 
