@@ -7,6 +7,8 @@ VM hits all of them alike, and reports medians:
   disk        write a fresh file of the state's size in 64 MiB pieces + fsync; read it back
               after posix_fadvise(DONTNEED) on that file, into a pre-faulted buffer
   torch       torch.save(state) + fsync of the file and its folder; torch.load of it (evicted)
+  dcp         torch.distributed.checkpoint.save(state) in this one process (no process group;
+              its writer fsyncs its files)
   deltackpt   base save (the first save of a fresh store), a delta save after 1% of the rows
               (random) changed by a small perturbation (+1e-4..2e-4 on N(0, 0.01) values), found
               by the row hashes alone (no marks), a delta save with nothing changed; the change
@@ -237,6 +239,16 @@ class Bench:
         os.unlink(path)
         self.settle()
 
+    def dcp(self, r: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        path = os.path.join(self.scratch, f"dcp-{r}")
+        self.timed("DCP save (1 process)", lambda: dcp.save(self.state, checkpoint_id=path),
+                   lambda _: tree_bytes(path))
+        self.settle(path)
+        shutil.rmtree(path)
+        self.settle()
+
     # -- deltackpt ----------------------------------------------------------------------------------
 
     def deltackpt(self, r: int) -> None:
@@ -311,6 +323,7 @@ class Bench:
         t0, c0 = time.perf_counter(), cpu_seconds()
         self.disk(r)
         self.torch_io(r)
+        self.dcp(r)
         self.deltackpt(r)
         wall, other = time.perf_counter() - t0, others_cpu(c0, cpu_seconds())
         self.extra["wall"] = self.extra.get("wall", 0.0) + wall
@@ -335,10 +348,20 @@ def report(b: Bench) -> None:
     target = b.n_changed * (row_bytes + 8)
     got = b.written["deltackpt 1% delta save"]
     info = b.extra["delta_info_bytes"][-1]
+    dcp_s, disk_s = med["DCP save (1 process)"], med["disk write + fsync (64 MiB pieces)"]
+    paired_dcp = [bs / ds for bs, ds in zip(b.times["deltackpt base save"], b.times["DCP save (1 process)"])]
+    paired_disk = [ds / bs for bs, ds in zip(b.times["deltackpt base save"],
+                                             b.times["disk write + fsync (64 MiB pieces)"])]
     goals = [
         ("base save no slower than torch.save", base <= save_ref,
          f"{base:.3f} s vs {save_ref:.3f} s = {base / save_ref:.2f}x "
          f"(per round: {', '.join(f'{x:.2f}' for x in paired)})"),
+        ("base save at most 0.8x DCP save", base <= 0.8 * dcp_s,
+         f"{base:.3f} s vs {dcp_s:.3f} s = {base / dcp_s:.2f}x "
+         f"(per round: {', '.join(f'{x:.2f}' for x in paired_dcp)})"),
+        ("base save at 80% of the disk's write bandwidth or more", disk_s / base >= 0.8,
+         f"{b.nbytes / base / 1e9:.2f} GB/s vs the disk write's {b.nbytes / disk_s / 1e9:.2f} GB/s = "
+         f"{disk_s / base:.0%} (per round: {', '.join(f'{x:.0%}' for x in paired_disk)})"),
         ("1% delta save at most 1/5 of torch.save", delta <= save_ref / 5,
          f"{delta:.3f} s vs {save_ref / 5:.3f} s allowed = {delta / save_ref:.3f}x torch.save "
          f"(per round: {', '.join(f'{x:.3f}' for x in paired_d)})"),

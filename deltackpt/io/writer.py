@@ -97,9 +97,11 @@ class StepWriter:
     # -- chunks (the part's writer) -------------------------------------------------------------
 
     def full(self, key: str, path: str, t: torch.Tensor, chunks: tuple[int, ...],
-             first_chunk: int = 0, release: Callable[[], None] | None = None) -> None:
+             first_chunk: int = 0, release: Callable[[], None] | None = None,
+             hash_into: torch.Tensor | None = None) -> None:
         """Writes every chunk of ``t`` (a whole part, or the rows of a part from chunk
-        ``first_chunk`` on), chunked by rows; ``release`` runs once all of them are written."""
+        ``first_chunk`` on), chunked by rows; ``release`` runs once all of them are written. With
+        ``hash_into`` (int64, a slot a row), the write threads put each row's hash there first."""
         rows = t.shape[0] if t.dim() else 1
         cr = chunks[0] if chunks else 1
         n = -(-rows // cr) if t.numel() else 0
@@ -121,7 +123,8 @@ class StepWriter:
         for i in range(n):
             lo, hi = i * cr, min(rows, (i + 1) * cr)
             self._put(key, path, chunk_key(first_chunk + i, t.dim()), flat[lo:hi],
-                      (cr - (hi - lo)) * row_bytes, t.dtype, release=one_done)
+                      (cr - (hi - lo)) * row_bytes, t.dtype, release=one_done,
+                      hash_into=None if hash_into is None else hash_into[lo:hi])
 
     def rows(self, key: str, path: str, t: torch.Tensor, ids: torch.Tensor, row_offset: int,
              chunk_rows: int, hash_into: torch.Tensor | None = None, rule: Rowwise | None = None) -> float:
@@ -225,9 +228,11 @@ class StepWriter:
     # -- internals ------------------------------------------------------------------------------
 
     def _put(self, key: str, path: str, name: str, data: torch.Tensor, pad: int, dtype: torch.dtype,
-             release: Callable[[], None] | None = None, uncoded: bool = False) -> None:
+             release: Callable[[], None] | None = None, uncoded: bool = False,
+             hash_into: torch.Tensor | None = None) -> None:
         """Queues one chunk: ``data`` (rows of a tensor) followed by ``pad`` zero bytes, coded as a
-        zarr array of ``dtype`` would be (``uncoded``: not coded)."""
+        zarr array of ``dtype`` would be (``uncoded``: not coded); with ``hash_into``, the hash
+        of each of ``data``'s rows goes there first, on the write's thread."""
         release = release or (lambda: None)
         if data.device.type != "cpu":
             host = self._pool.acquire(data.numel() * data.element_size())
@@ -242,6 +247,8 @@ class StepWriter:
         codec = None if uncoded else codec_for(dtype)
 
         def parts() -> list[memoryview]:
+            if hash_into is not None:
+                kernels.reference.hash_rows(data.reshape(hash_into.numel(), -1), 1, hash_into)
             body = as_bytes(data.contiguous())
             if codec is None:
                 return [body, zeros] if pad else [body]

@@ -31,7 +31,7 @@ from ..io.staging import StagingPool
 from ..io.writer import StepWriter
 from ..quantization import Rowwise
 from ..storage import Storage
-from ..tracking.changes import TensorChange
+from ..tracking.changes import TensorChange, is_row_sparse
 from .decide import itemsize, part_chunk_shape
 from .planner import GlobalPlan
 from .types import Kind, SavePlan, WriteItem, WriteResult
@@ -62,8 +62,13 @@ def stage_part(writer: StepWriter, pool: StagingPool, kind: Kind, item: WriteIte
     enc = Encoding.of(kind, tuple(t.shape), rule is not None)
     cs = part_chunk_shape(enc, part.box.shape, t.element_size(), n, sizes, rule)
     if enc == Encoding.FULL:
-        _stage_whole(writer, pool, item.key, part.path, t, cs)
-        return change
+        # A base's row hashes, where the scan left them to the save, come from the staged copies,
+        # taken by the write threads beside the writes rather than in a pass before them.
+        hashes = None
+        if is_row_sparse(t) and t.numel() and (change.hashes is None or change.partial):
+            hashes = torch.empty(t.shape[0], dtype=torch.int64)
+        _stage_whole(writer, pool, item.key, part.path, t, cs, hashes)
+        return change if hashes is None else TensorChange(change.changed, hashes)
     assert change.changed is not None  # a delta has a change set for every part
     hashes = torch.empty(n, dtype=torch.int64) if change.partial and change.hashes is None else None
     if enc in (Encoding.ROWS, Encoding.QROWS):
@@ -75,8 +80,9 @@ def stage_part(writer: StepWriter, pool: StagingPool, kind: Kind, item: WriteIte
 
 
 def _stage_whole(writer: StepWriter, pool: StagingPool, key: str, path: str, t: torch.Tensor,
-                 chunks: tuple[int, ...]) -> None:
-    """Copies ``t`` chunk by chunk into staging buffers, each written and given back on its own."""
+                 chunks: tuple[int, ...], hash_into: torch.Tensor | None = None) -> None:
+    """Copies ``t`` chunk by chunk into staging buffers, each written and given back on its own
+    (each row hashed into ``hash_into`` first, if given)."""
     rows = t.shape[0] if t.dim() else 1
     flat = t.reshape(rows, math.prod(t.shape[1:]))  # -1 is ambiguous for a tensor without elements
     per_row = flat.shape[1]
@@ -96,7 +102,8 @@ def _stage_whole(writer: StepWriter, pool: StagingPool, key: str, path: str, t: 
             pool.release(buf)
             raise
         writer.full(key, path, staged.view((hi - lo, *t.shape[1:]) if t.dim() else ()), chunks,
-                    first_chunk=i, release=partial(pool.release, buf))
+                    first_chunk=i, release=partial(pool.release, buf),
+                    hash_into=None if hash_into is None else hash_into[lo:hi])
 
 
 def open_writer(storage: Storage, save: SavePlan, rank: int, pool: StagingPool,

@@ -59,7 +59,9 @@ class TensorChange:
             written whole.
         hashes: the tensor's hashes now (per row or per chunk, on the CPU): of every row or
             chunk, or when ``partial`` only of those in ``changed``, then None until the save's
-            writer (or :meth:`ChangeTracker.adopt`) computes them.
+            writer (or :meth:`ChangeTracker.adopt`) computes them. None as well when ``changed``
+            is None: the base that writes the tensor whole hashes it as it writes (see
+            :meth:`ChangeTracker.hash_whole`).
         partial: whether ``hashes`` covers ``changed`` only (a change set found from marks).
     """
 
@@ -158,10 +160,11 @@ class ChangeTracker:
 
     def hash_whole(self, tensors: dict[str, torch.Tensor],
                    changes: dict[str, TensorChange]) -> dict[str, TensorChange]:
-        """A base's change sets, with the tensors whose set came from marks hashed whole: a
-        stray change the base stores is then no change to the next audit. Call it once the base
-        is staged, before the training changes the tensors again."""
-        return {k: TensorChange(ch.changed, self.hash(tensors[k])) if ch.partial else ch
+        """A base's change sets, with every tensor hashed whole that the scan and the base's
+        writer left unhashed (or hashed from marks only: a stray change the base stores is then
+        no change to the next audit). Call it once the base is staged, before the training
+        changes the tensors again."""
+        return {k: TensorChange(ch.changed, self.hash(tensors[k])) if ch.partial or ch.hashes is None else ch
                 for k, ch in changes.items()}
 
     def reset(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -176,10 +179,10 @@ class ChangeTracker:
     # -- internals ------------------------------------------------------------------------------
 
     def _scan_hashes(self, key: str, t: torch.Tensor) -> TensorChange:
-        h = self.hash(t)
         ref = self._refs.get(key)
         if ref is None or not ref.matches(t):
-            return TensorChange(None, h)
+            return TensorChange(None, None)
+        h = self.hash(t)
         return TensorChange((h != ref.hashes).nonzero().flatten(), h)
 
     def _scan_group(
@@ -225,7 +228,7 @@ class ChangeTracker:
     def _from_marks(self, key: str, t: torch.Tensor, ids: torch.Tensor) -> TensorChange:
         ref = self._refs.get(key)
         if ref is None or not ref.matches(t):
-            return TensorChange(None, self.hash(t))
+            return TensorChange(None, None)
         return TensorChange(self._units(t, ids), None, partial=True)
 
     def _canary(
