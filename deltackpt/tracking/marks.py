@@ -196,14 +196,17 @@ class TrackedTable:
         """The rows marked since the last take, with those of uncommitted saves: sorted, unique
         int64 ids on the CPU. They stay pending until :meth:`settle`."""
         assert self.mask is not None, "take() needs a table in mode ON"
+        # Clearing just the taken rows costs O(changed); marks made after the nonzero pass stay.
         if self.mask.device.type == "cpu":
             # numpy finds the set bytes of a CPU mask 3x faster than torch (35 vs 120 us for
-            # 250,000 rows here).
-            marked = torch.from_numpy(np.flatnonzero(self.mask.numpy()))
+            # 250,000 rows here), and clears them on this thread: torch's index_fill_ took
+            # 31 ms for 125,000 rows on a busy machine.
+            found = np.flatnonzero(self.mask.numpy())
+            self.mask.numpy()[found] = False
+            marked = torch.from_numpy(found)
         else:
             marked = self.mask.nonzero().flatten()
-        # Clearing just the taken rows costs O(changed); marks made after the nonzero pass stay.
-        self.mask.index_fill_(0, marked, False)
+            self.mask.index_fill_(0, marked, False)
         ids = marked.cpu()
         if self.pending is not None and self.pending.numel():
             ids = torch.unique(torch.cat([self.pending, ids]))
