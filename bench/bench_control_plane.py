@@ -212,6 +212,7 @@ class Phase:
     received: int = 0
     rank_received: int = 0
     peak_rss_mib: float = 0.0
+    unpickle: float = 0.0  # the coordinator's, of what a gather brought it
 
 
 @dataclass
@@ -241,9 +242,11 @@ def _wire(value: Any) -> int:
 
 
 def _gather(run: Run, name: str, per_rank: list[Any], seconds: list[float]) -> None:
-    """Every rank's message to the coordinator."""
-    sizes = [_wire(v) for v in per_rank]
-    run.add(Phase(name, "every rank", sum(seconds), max(seconds), max(sizes), sum(sizes)))
+    """Every rank's message to the coordinator, which unpickles them all."""
+    messages = [pickle.dumps((True, v)) for v in per_rank]
+    _, unpickle = _timed(lambda: [pickle.loads(m) for m in messages])
+    sizes = [len(m) for m in messages]
+    run.add(Phase(name, "every rank", sum(seconds), max(seconds), max(sizes), sum(sizes), unpickle=unpickle))
 
 
 def _broadcast(run: Run, name: str, value: Any, seconds: float, unpickle: float = 0.0) -> None:
@@ -348,15 +351,15 @@ def _scan(items: tuple[WriteItem, ...], changed: Changed | None, sizes: tuple[in
 def table(run: Run, job: Job) -> str:
     lines = [f"W = {job.world} ranks x T = {job.tensors} tensors, mix {job.mix}; "
              f"records {', '.join(f'{b / MiB:.1f} MiB' for b in run.record_bytes)}; received by a "
-             f"rank other than the coordinator: {run.rank_received(1) / 1e6:.3f} MB (new layout), "
-             f"{run.rank_received(2) / 1e6:.3f} MB (a later save)",
+             f"rank other than the coordinator: {run.rank_received(1):,} B (new layout), "
+             f"{run.rank_received(2):,} B (a later save)",
              "", "| phase | where | s (coordinator / per rank mean) | s (slowest rank / unpickle) "
-             "| MB sent by a rank (max) | MB received by the coordinator | MB received by another rank "
-             "| peak RSS MiB |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| s (coordinator unpickles a gather) | MB sent by a rank (max) | MB received by the coordinator "
+             "| MB received by another rank | peak RSS MiB |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for p in run.phases:
         mean = p.seconds / job.world if p.where == "every rank" else p.seconds
-        lines.append(f"| {p.name} | {p.where} | {mean:.4f} | {p.max_rank_seconds:.4f} | "
+        lines.append(f"| {p.name} | {p.where} | {mean:.4f} | {p.max_rank_seconds:.4f} | {p.unpickle:.4f} | "
                      f"{p.sent_max / 1e6:.3f} | {p.received / 1e6:.3f} | {p.rank_received / 1e6:.3f} | "
                      f"{p.peak_rss_mib:.0f} |")
     return "\n".join(lines)

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..collector import paused
 from ..errors import ManifestError, StateError
 from ..quantization import QuantizationError, Rowwise
 from ..sharding import Box, check_tiling
@@ -168,6 +169,7 @@ class Manifest:
         """The size of every file of a pack (its zarr chunk size)."""
         return self.packs[pack]["c.0"][0]
 
+    @paused()
     def to_json(self) -> bytes:
         doc = {name: getattr(self, name) for name in (
             "step", "kind", "attempt", "parent", "parent_attempt", "base", "chain_length",
@@ -181,6 +183,7 @@ class Manifest:
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
+    @paused()
     def from_json(cls, data: bytes, where: str) -> Manifest:
         """Parses and validates a record; ``where`` names it in errors."""
         try:

@@ -6,6 +6,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from ..collector import paused
 from ..errors import StateError, StepExistsError, WriterConflictError
 from ..format.encodings import Encoding
 from ..format.layout import commit_key, pack_name
@@ -28,6 +29,7 @@ from .planner import GlobalPlan
 from .types import Kind, SavePlan, WriteResult
 
 
+@paused()
 def build_manifest(save: SavePlan, plan: GlobalPlan, changed: Mapping[tuple[str, str], int],
                    results: list[WriteResult], *, head: Manifest | None, world_size: int,
                    policy: dict[str, Any], sizes: tuple[int, int],

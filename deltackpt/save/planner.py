@@ -1,9 +1,9 @@
 """Save planning: every rank's local plan, and the coordinator's global plan.
 
 A local plan lists, per tensor key, the box a rank holds (ranges, never row lists). The global
-plan gives every distinct box of every tensor exactly one writer: replicas (the same box on
-several ranks) are written once, by the holder with the fewest bytes to write so far, largest
-boxes first, which spreads the writes evenly. Validation checks that every tensor's boxes agree
+plan gives every distinct box of every tensor exactly one writer: a box one rank holds is written
+by it; replicas (the same box on several ranks) are written once, by the holder with the fewest
+bytes to write so far, largest boxes first, which spreads the writes evenly. Validation checks that every tensor's boxes agree
 on dtype and global shape and tile it exactly; it sorts, so it is O(n log n) in the boxes.
 
 The plan is deterministic in its input, so a cached plan stays valid while no rank's local plan
@@ -19,8 +19,10 @@ import math
 import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from .. import statetree
+from ..collector import paused
 from ..errors import StateError, StepExistsError
 from ..sharding import Box, check_tiling
 
@@ -115,42 +117,66 @@ class Assignment:
 def make_global_plan(local_plans: list[LocalPlan], tree: dict) -> GlobalPlan:
     """Validates the local plans and assigns one writer to every distinct box.
 
+    A box one rank holds is written by it; then replicas, largest first, each by the holder with
+    the fewest bytes to write so far.
+
     Raises:
         StateError: ranks disagree on a tensor's dtype or global shape, or its boxes overlap or
             leave a gap.
     """
-    holders: dict[str, dict[Box, list[int]]] = {}
+    # Per tensor, per distinct box (as its offset and shape): [box, holder, holder, ...].
+    holders: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], list[Any]]] = {}
     meta: dict[str, ItemInfo] = {}
     for plan in local_plans:
+        rank = plan.rank
         for item in plan.items:
-            first = meta.setdefault(item.key, item)
-            if (first.dtype, first.global_shape) != (item.dtype, item.global_shape):
+            first = meta.get(item.key)
+            boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], list[Any]]
+            if first is None:
+                meta[item.key], boxes = item, {}
+                holders[item.key] = boxes
+            elif first.dtype != item.dtype or first.global_shape != item.global_shape:
                 raise StateError(
                     f"{item.key}: ranks disagree: {first.dtype} {list(first.global_shape)} vs "
-                    f"{item.dtype} {list(item.global_shape)} on rank {plan.rank}"
+                    f"{item.dtype} {list(item.global_shape)} on rank {rank}"
                 )
-            holders.setdefault(item.key, {}).setdefault(item.box, []).append(plan.rank)
-    for key, boxes in holders.items():
-        check_tiling(key, meta[key].global_shape, list(boxes))
-        if math.prod(meta[key].global_shape):
-            # A rank holding none of a tensor (a 0-row shard) writes nothing.
-            holders[key] = {b: r for b, r in boxes.items() if b.numel}
+            else:
+                boxes = holders[item.key]
+            box = item.box
+            held = boxes.get(at := (box.offset, box.shape))
+            if held is None:
+                boxes[at] = [box, rank]
+            else:
+                held.append(rank)
     load = {plan.rank: 0 for plan in local_plans}
-    jobs = sorted(
-        ((box.numel * meta[key].itemsize, key, box) for key, boxes in holders.items() for box in boxes),
-        key=lambda j: (-j[0], j[1], j[2].offset),
-    )
-    writers: dict[tuple[str, Box], int] = {}
-    for nbytes, key, box in jobs:
-        ranks = holders[key][box]
-        w = min(ranks, key=lambda r: (load[r], r))
-        load[w] += nbytes
-        writers[(key, box)] = w
-    tensors = {}
+    kept: dict[str, list[list[Any]]] = {}  # per tensor: [box, writer, holders], by offset
+    shared: list[tuple[int, str, tuple[int, ...], list[Any]]] = []
     for key in sorted(holders):
-        ordered = sorted(holders[key], key=lambda b: b.offset)
-        whole = len(ordered) == 1
-        parts = tuple(PartPlan(b, writers[(key, b)], "" if whole else f"p{i}") for i, b in enumerate(ordered))
+        info = meta[key]
+        check_tiling(key, info.global_shape, [held[0] for held in holders[key].values()])
+        empty = not math.prod(info.global_shape)
+        slots = []
+        for box, *ranks in holders[key].values():
+            n = math.prod(box.shape) * info.itemsize
+            if not n and not empty:
+                continue  # a rank holding none of a tensor (a 0-row shard) writes nothing
+            slot = [box, ranks[0], ranks]
+            if len(ranks) == 1:
+                load[ranks[0]] += n
+            else:
+                shared.append((n, key, box.offset, slot))
+            slots.append(slot)
+        slots.sort(key=lambda s: s[0].offset)
+        kept[key] = slots
+    shared.sort(key=lambda j: (-j[0], j[1], j[2]))
+    for nbytes, _, _, slot in shared:
+        w = min(slot[2], key=lambda r: (load[r], r))
+        load[w] += nbytes
+        slot[1] = w
+    tensors = {}
+    for key, slots in kept.items():
+        whole = len(slots) == 1
+        parts = tuple(PartPlan(b, w, "" if whole else f"p{i}") for i, (b, w, _) in enumerate(slots))
         tensors[key] = TensorPlan(key, meta[key].dtype, meta[key].global_shape, parts)
     return GlobalPlan(tensors, tree)
 
@@ -177,6 +203,7 @@ class GlobalPlanner:
             raise StateError("no global plan yet")
         return self._plan[2]
 
+    @paused()
     def assign(self, sent: list[PlanRequest], admit: Callable[[int], None]) -> list[Assignment | None]:
         """The plan in force for what every rank sent, made again only when some rank's local
         plan changed; for each rank, its parts, or None when it holds them already. ``admit(step)``
