@@ -40,7 +40,7 @@ import deltackpt
 from deltackpt import Checkpointer
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import cpu_seconds, others_cpu  # noqa: E402
+from common import cpu_seconds, figure, json_option, others_cpu, write_figures  # noqa: E402
 
 
 def build(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
@@ -88,6 +88,7 @@ def main() -> None:
                    help="seconds between building the checkpointer and the first save")
     p.add_argument("--dir", default=tempfile.gettempdir())
     p.add_argument("--seed", type=int, default=0)
+    json_option(p)
     args = p.parse_args()
     root = tempfile.mkdtemp(prefix="deltackpt-bench-async-", dir=args.dir)
     print(f"deltackpt from {os.path.dirname(deltackpt.__file__)}; torch {torch.__version__}, "
@@ -168,7 +169,22 @@ def main() -> None:
     print("| --- | --- | --- |")
     for name, values in figures.items():
         print(f"| {name} | {statistics.median(values):.3f} | {', '.join(f'{v:.3f}' for v in values)} |")
+    write_figures(args.json, "bench_async", args, [figure(name, values, unit, peer=peer, peer_runs=figures.get(peer))
+                                                   for name, values in figures.items()
+                                                   for unit, peer in [peer_of(name)]], state_bytes=nbytes)
     shutil.rmtree(root, ignore_errors=True)
+
+
+def peer_of(name: str) -> tuple[str, str | None]:
+    """The unit of figure ``name`` and the figure measured beside it that it is compared with."""
+    unit = "ms" if name.endswith(" ms") else "s"
+    if name.startswith("base background"):
+        return unit, name.replace("base background", "DCP async_save base")
+    if name.startswith("1% delta background"):
+        return unit, name.replace("background", "blocking")
+    if name == "train step beside a background delta ms":
+        return unit, "train step alone ms"
+    return unit, None
 
 
 if __name__ == "__main__":

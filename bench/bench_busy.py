@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from common import cpu_seconds, others_cpu, tree_bytes
+from common import cpu_seconds, figure, json_option, others_cpu, tree_bytes, write_figures
 from deltackpt import Checkpointer
 from deltackpt.policy import EveryK
 
@@ -68,6 +68,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dirty-gib", type=float, default=1.5, help="other process's unsynced writes")
     p.add_argument("--repeat", type=int, default=3, help="rounds (default %(default)s)")
     p.add_argument("--dir", default=tempfile.gettempdir(), help="where the scratch folder goes")
+    json_option(p)
     return p.parse_args(argv)
 
 
@@ -250,6 +251,15 @@ def run(args: argparse.Namespace, scratch: str) -> int:
     print(f"| base save ({direct / 1e9:.2f} of {state_bytes / 1e9:.2f} GB written direct) | {b:.3f} s "
           f"| {runs(base_s)} | {state_bytes / b / 1e9:.2f} GB/s = {state_bytes / b / 1e9 / bw:.0%} "
           f"of the disk's O_DIRECT {bw:.2f} GB/s ({', '.join(f'{x:.2f}' for x in disk)}) | >= 85% |")
+    write_figures(args.json, "bench_busy", args, [
+        figure("1% delta, quiet", times["quiet"]),
+        figure(f"1% delta, after {args.dirty_gib} GiB of unsynced writes", times["dirty"], peer="quiet",
+               peer_runs=times["quiet"]),
+        figure("1% delta, every core busy", times["busy"], peer="quiet", peer_runs=times["quiet"]),
+        figure("delta bytes on disk / payload", ratio, "x"),
+        figure("base save", [state_bytes / x / 1e9 for x in base_s], "GB/s", peer="disk O_DIRECT write",
+               peer_runs=disk),
+    ], state_bytes=state_bytes)
     return 0
 
 

@@ -66,7 +66,9 @@ from deltackpt.datasets._ids import PowerLawRows, zipf_pmf
 from deltackpt.ops.gc import Retention
 from deltackpt.policy import ChainLimit, Differential, EveryK, Intermittent
 
-from common import Reserve, cpu_seconds, evict, files, others_cpu  # bench/common.py
+from common import (  # bench/common.py
+    Reserve, cpu_seconds, evict, figure, files, json_option, others_cpu, write_figures,
+)
 
 MiB = 1 << 20
 PERTURBATION = 1e-4  # times U[1, 2), added to the touched rows; far above an ulp of their values
@@ -102,6 +104,7 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk-mib", type=int, default=32,
                    help="Checkpointer chunk_bytes in MiB (default %(default)s)")
     p.add_argument("--io-threads", type=int, default=4, help="Checkpointer io_threads (default %(default)s)")
+    json_option(p)
     args = p.parse_args(argv)
     try:
         args.lengths = sorted({int(x) for x in args.chain_lengths.split(",") if x.strip()})
@@ -542,7 +545,37 @@ def main(argv: list[str] | None = None) -> int:
         print(chains_table(*chains, args) + "\n")
     if policy_rows:
         print(policies_table(policy_rows, args))
+    rows, series = figures(chains, policy_rows)
+    write_figures(args.json, "bench_chains", args, rows, **series)
     return 0
+
+
+def figures(chains: tuple[list[ChainRow], dict[str, list[float]]] | None,
+            policy_rows: list[PolicyRow] | None) -> tuple[list[dict], dict[str, Any]]:
+    """The figures of both parts as rows for ``--json``, and the restore times by chain length."""
+    out: list[dict] = []
+    series: dict[str, Any] = {}
+    if chains:
+        rows, refs = chains
+        base = rows[0].before
+        out.append(figure("read the base's files (evicted)", refs["read"]))
+        for r in rows:
+            out.append(figure(f"restore after {r.length} deltas", r.before, peer=f"restore after {rows[0].length} deltas",
+                              peer_runs=base))
+        for r in rows:
+            if r.length:
+                out.append(figure(f"restore after {r.length} deltas, compacted", r.after,
+                                  peer=f"restore after {rows[0].length} deltas", peer_runs=base))
+        series.update(chain_length=[r.length for r in rows],
+                      restore_s=[statistics.median(r.before) for r in rows],
+                      restore_compacted_s=[statistics.median(r.after) for r in rows],
+                      chain_bytes=[r.chain_bytes for r in rows])
+    if policy_rows:
+        full = sum(policy_rows[0].written)
+        for r in policy_rows:
+            out.append(figure(f"bytes written, {r.name}", sum(r.written), "B", peer=policy_rows[0].name,
+                              peer_runs=full))
+    return out, series
 
 
 if __name__ == "__main__":

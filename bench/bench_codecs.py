@@ -14,6 +14,8 @@ import lz4.block
 import numpy as np
 from numcodecs import Blosc
 
+from common import figure, json_option, write_figures  # bench/common.py
+
 
 def samples(rows: int, dim: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
@@ -44,7 +46,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=40_000, help="rows per sample (default 40000)")
     parser.add_argument("--dim", type=int, default=128, help="row width (default 128)")
     parser.add_argument("--repeat", type=int, default=3, help="timed repeats (default 3)")
+    json_option(parser)
     args = parser.parse_args()
+    rows = []
     print("| data | lz4 ratio / GB/s | blosc lz4 byte shuffle ratio / GB/s | blosc lz4 bit shuffle ratio / GB/s |")
     print("| --- | --- | --- | --- |")
     for name, data in samples(args.rows, args.dim).items():
@@ -53,6 +57,10 @@ def main() -> None:
             codec = Blosc(cname="lz4", clevel=5, shuffle=shuffle, typesize=data.itemsize)
             cells.append(measure(data, codec.encode, args.repeat))
         print(f"| {name} | " + " | ".join(f"{r:.2f}x / {g:.2f}" for r, g in cells) + " |")
+        for codec_name, (ratio, speed) in zip(("lz4", "blosc lz4 byte shuffle", "blosc lz4 bit shuffle"), cells):
+            rows.append(figure(f"{name}: {codec_name} ratio", ratio, "x"))
+            rows.append(figure(f"{name}: {codec_name} encode", speed, "GB/s"))
+    write_figures(args.json, "bench_codecs", args, rows)
 
 
 if __name__ == "__main__":

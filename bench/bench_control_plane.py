@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import pickle
 import resource
@@ -372,6 +371,8 @@ def main() -> None:
     ap.add_argument("--mix", default="0.8,0.1,0.1", help="shares row-, column-, table-wise")
     ap.add_argument("--col-group", type=int, default=8, help="ranks a column-wise tensor spans")
     ap.add_argument("--changed", type=float, default=0.01, help="share of rows/chunks a delta writes")
+    ap.add_argument("--json", metavar="PATH", default=None,
+                    help="where the figures go as JSON (default bench/results/control_plane_W{W}_T{T}.json)")
     args = ap.parse_args()
     row, col, tab = (float(x) for x in args.mix.split(","))
     job = Job(args.world, args.tensors, (row, col, tab), args.col_group)
@@ -381,12 +382,17 @@ def main() -> None:
     text = table(run, job)
     print(text)
     print(f"\n{parts} parts; simulation wall {time.perf_counter() - t0:.0f} s")
-    out = Path(__file__).parent / "results" / f"control_plane_W{job.world}_T{job.tensors}.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({
-        "job": {"world": job.world, "tensors": job.tensors, "mix": job.mix, "col_group": job.col_group,
-                "changed": args.changed}, "parts": parts, "record_bytes": run.record_bytes,
-        "phases": [vars(p) for p in run.phases]}, indent=1))
+    from common import figure, write_figures  # bench/common.py: on sys.path when run as a script
+
+    rows = []
+    for p in run.phases:
+        mean = p.seconds / job.world if p.where == "every rank" else p.seconds
+        rows.append(figure(f"{p.name} ({'per rank mean' if p.where == 'every rank' else p.where})", mean))
+        rows.append(figure(f"{p.name}: MB received per rank", p.received / 1e6, "MB"))
+    rows += [figure(f"record of save {i + 1}", b / MiB, "MiB") for i, b in enumerate(run.record_bytes)]
+    out = args.json or str(Path(__file__).parent / "results" / f"control_plane_W{job.world}_T{job.tensors}.json")
+    write_figures(out, "bench_control_plane", args, rows, parts=parts, record_bytes=run.record_bytes,
+                  phases=[vars(p) for p in run.phases])
     print(f"wrote {out}")
 
 

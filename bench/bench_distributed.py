@@ -74,7 +74,9 @@ from typing import Any
 
 import torch
 
-from common import Reserve, cpu_seconds, evict, others_cpu, tree_bytes  # bench/common.py
+from common import (  # bench/common.py
+    Reserve, cpu_seconds, evict, figure, json_option, others_cpu, tree_bytes, write_figures,
+)
 
 MiB = 1 << 20
 BLOCK = 65536  # rows generated per seeded generator: any rank can rebuild any rows
@@ -115,6 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "rank 0's deltackpt ops under cProfile; prints the top functions")
     p.add_argument("--profile-lines", type=int, default=25, help="functions listed per profiled op "
                    "(default %(default)s)")
+    json_option(p)
     args = p.parse_args(argv)
     try:
         args.world_list = sorted({int(w) for w in args.worlds.split(",") if w.strip()} - {2})
@@ -724,6 +727,15 @@ def report(args: argparse.Namespace, results: dict[int, dict[str, Any]], nbytes:
             ref = DCP_REF[OPS[op][1]]
             ratio = f"{med[op] / med[ref]:.2f}" if ref in med and med[ref] > 0 else "n/a"
             print(f"| {op} | {world} | {med[op]:.3f} | {nbytes / med[op] / 1e9:.2f} | {ratio} |")
+    rows = []
+    for world, res in sorted(results.items(), key=lambda kv: (kv[0] != 2, kv[0])):
+        for op in OPS:
+            if op in res["times"]:
+                ref = DCP_REF[OPS[op][1]]
+                mine = ref == op or ref not in res["times"]
+                rows.append(figure(f"{op}, {world} ranks", res["times"][op], peer=None if mine else ref,
+                                   peer_runs=None if mine else res["times"][ref]))
+    write_figures(args.json, "bench_distributed", args, rows, state_bytes=nbytes)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from common import MiB, evict, tree_bytes
+from common import MiB, evict, figure, json_option, tree_bytes, write_figures
 
 TABLES = 8
 ROWS = 524_288
@@ -147,6 +147,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--budget", type=int, default=256 * MiB, help="the export's memory budget")
     parser.add_argument("--dir", default=None, help="scratch folder (default: a temp folder)")
+    json_option(parser)
     args = parser.parse_args()
     import deltackpt
     import torch.distributed.checkpoint as dcp
@@ -167,7 +168,9 @@ def main() -> None:
               f"budget {args.budget // MiB} MiB; goal for added memory: "
               f"{(largest + args.budget + 256 * MiB) / MiB:.0f} MiB")
         print(f"{'operation':<28} {'seconds (median)':>17} {'all runs':>24} {'added MiB (max)':>16} {'output MiB':>11}")
-        for op in ("torch", "safetensors", "dcp", "dcp_to_torch_save"):
+        times: dict[str, list[float]] = {}
+        added: dict[str, list[float]] = {}
+        for op in ("dcp_to_torch_save", "torch", "safetensors", "dcp"):
             out = os.path.join(scratch, f"out.{op}")
             src = dcp_dir if op == "dcp_to_torch_save" else store
             runs = []
@@ -177,9 +180,17 @@ def main() -> None:
                     check(op, out, state)
                 shutil.rmtree(out, ignore_errors=True) if os.path.isdir(out) else os.unlink(out)
             secs = [r["seconds"] for r in runs]
+            times[op], added[op] = secs, [r["added"] / MiB for r in runs]
             name = f"export --to {op}" if op != "dcp_to_torch_save" else "DCP dcp_to_torch_save"
             print(f"{name:<28} {statistics.median(secs):>17.2f} {' '.join(f'{s:.2f}' for s in secs):>24} "
                   f"{max(r['added'] for r in runs) / MiB:>16.0f} {runs[0]['bytes'] / MiB:>11.0f}", flush=True)
+        rows = []
+        for op in ("torch", "safetensors", "dcp"):
+            rows.append(figure(f"export --to {op}", times[op], peer="DCP dcp_to_torch_save",
+                               peer_runs=times["dcp_to_torch_save"]))
+            rows.append(figure(f"export --to {op}: memory added (peak RSS - RSS before)", added[op], "MiB",
+                               peer="DCP dcp_to_torch_save", peer_runs=added["dcp_to_torch_save"]))
+        write_figures(args.json, "bench_export", args, rows, state_bytes=total)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

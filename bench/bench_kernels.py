@@ -26,6 +26,8 @@ import xxhash
 
 from deltackpt.kernels import reference
 
+from common import figure, json_option, write_figures  # bench/common.py
+
 
 def _parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -46,6 +48,7 @@ def _parse_args() -> argparse.Namespace:
         help="rows generated and hashed at a time, to bound memory",
     )
     p.add_argument("--seed", type=int, default=0)
+    json_option(p)
     return p.parse_args()
 
 
@@ -57,8 +60,8 @@ def _with_threads(n: int, fn: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
-def _medians(cases: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median wall seconds per case, over interleaved rounds after one warm-up call each."""
+def _rounds(cases: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Wall seconds of every round per case, rounds interleaved, after one warm-up call each."""
     for fn in cases.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in cases}
@@ -67,10 +70,10 @@ def _medians(cases: dict[str, Callable[[], object]], repeats: int) -> dict[str, 
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
 
 
-def _throughput(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+def _throughput(args: argparse.Namespace, out: list[dict]) -> list[tuple[str, str, str]]:
     nbytes = args.size_mib << 20
     nbytes -= nbytes % args.row_bytes
     # Filling both buffers faults their pages in: this VM hands idle memory back to the host, and
@@ -94,24 +97,32 @@ def _throughput(args: argparse.Namespace) -> list[tuple[str, str, str]]:
         cases[f"hash_chunks {args.chunk_bytes} B chunks, {threads}"] = _with_threads(
             n, lambda: reference.hash_chunks(flat, args.chunk_bytes)
         )
-    medians = _medians(cases, args.repeats)
+    times = _rounds(cases, args.repeats)
     numba.set_num_threads(all_threads)
+    copy = [nbytes / t / 1e9 for t in times["memcpy (np.copyto), 1 thread"]]
+    for name, ts in times.items():
+        mine = name.startswith("memcpy")
+        out.append(figure(name, [nbytes / t / 1e9 for t in ts], "GB/s", peer=None if mine else "memcpy, 1 thread",
+                          peer_runs=None if mine else copy))
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
     return [
         (name, f"{s * 1e3:.1f} ms", f"{nbytes / s / 1e9:.2f} GB/s") for name, s in medians.items()
     ]
 
 
-def _mark_rate(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+def _mark_rate(args: argparse.Namespace, out: list[dict]) -> list[tuple[str, str, str]]:
     mask = torch.zeros(args.mask_rows, dtype=torch.bool)
     ids = torch.randint(
         0, args.mask_rows, (args.mark_ids,), generator=torch.Generator().manual_seed(args.seed)
     )
-    s = _medians({"mark": lambda: reference.mark_rows(mask, ids)}, args.repeats)["mark"]
+    ts = _rounds({"mark": lambda: reference.mark_rows(mask, ids)}, args.repeats)["mark"]
+    s = statistics.median(ts)
     name = f"mark_rows, {args.mark_ids} ids into {args.mask_rows} rows"
+    out.append(figure(name, [args.mark_ids / t / 1e6 for t in ts], "M ids/s"))
     return [(name, f"{s * 1e3:.2f} ms", f"{args.mark_ids / s / 1e6:.1f} M ids/s")]
 
 
-def _collisions(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+def _collisions(args: argparse.Namespace, out: list[dict]) -> list[tuple[str, str, str]]:
     rng = np.random.default_rng(args.seed + 1)
     hashes = np.empty(args.collision_rows, dtype=np.int64)
     t0 = time.perf_counter()
@@ -125,6 +136,7 @@ def _collisions(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     # Birthday bound: n(n-1)/2 pairs, each equal with probability 2^-64.
     expected = args.collision_rows * (args.collision_rows - 1) / 2 / 2.0**64
     name = f"collisions: {args.collision_rows} random rows of {args.collision_cols} fp32"
+    out.append(figure(name, repeats, "repeated hashes", peer="expected", peer_runs=expected))
     return [
         (
             name,
@@ -140,7 +152,9 @@ def main() -> None:
         f"{os.cpu_count()} CPUs, numba threads {numba.config.NUMBA_NUM_THREADS}, "
         f"torch {torch.__version__}, xxhash {xxhash.VERSION}, {args.repeats} timed rounds"
     )
-    table = _throughput(args) + _mark_rate(args) + _collisions(args)
+    rows: list[dict] = []
+    table = _throughput(args, rows) + _mark_rate(args, rows) + _collisions(args, rows)
+    write_figures(args.json, "bench_kernels", args, rows)
     widths = [max(len(row[i]) for row in table) for i in range(3)]
     print()
     for row in table:

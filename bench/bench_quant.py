@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import tempfile
 import time
 import warnings
@@ -45,6 +46,8 @@ from deltackpt import Checkpointer, Rowwise
 from deltackpt.kernels import rowwise
 from deltackpt.policy import EveryK, Intermittent
 
+from common import figure, json_option, write_figures  # bench/common.py
+
 INCREMENTAL_POLICY = EveryK(10**9, max_delta_fraction=1.0)  # one base, then deltas only
 
 WIDTH = 128
@@ -53,7 +56,7 @@ WIDTH = 128
 def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=262_144, help="rows of the kernels part")
-    p.add_argument("--repeat", type=int, default=5, help="timed runs; the best is reported")
+    p.add_argument("--repeat", type=int, default=5, help="timed runs; the median is reported")
     p.add_argument("--table-rows", type=int, default=65_536, help="rows of the store part's table")
     p.add_argument("--checkpoints", type=int, default=200, help="saves of the store part")
     p.add_argument("--touched", type=float, default=0.03, help="share of rows an interval touches")
@@ -63,17 +66,18 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parts", default="kernels,store,dlrm", help="comma-separated parts to run")
     p.add_argument("--dir", default="/tmp", help="folder for the scratch stores")
     p.add_argument("--seed", type=int, default=0)
+    json_option(p)
     return p.parse_args(argv)
 
 
-def _best(fn: Callable[[], object], repeat: int) -> float:
+def _median(fn: Callable[[], object], repeat: int) -> float:
     fn()  # compiles / warms up
-    best = float("inf")
+    times = []
     for _ in range(repeat):
         t = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def _errors(x: torch.Tensor, bits: int, scale_dtype: torch.dtype) -> tuple[float, float]:
@@ -85,7 +89,7 @@ def _errors(x: torch.Tensor, bits: int, scale_dtype: torch.dtype) -> tuple[float
     return float((err / theory[:, None]).max()), float(err.pow(2).mean().sqrt())
 
 
-def run_kernels(args: argparse.Namespace) -> None:
+def run_kernels(args: argparse.Namespace, out: list[dict]) -> None:
     numba.set_num_threads(1)
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(args.seed)
@@ -93,16 +97,18 @@ def run_kernels(args: argparse.Namespace) -> None:
     small = x[: max(1, args.rows // 10)].clone()
     gb = x.nbytes / 1e9
     print(f"kernels: {args.rows} x {WIDTH} float32 rows ({x.nbytes / 2**20:.0f} MiB), one thread, "
-          f"best of {args.repeat}")
+          f"median of {args.repeat}")
     print(f"{'codec':<22} {'bytes/row':>9} {'encode GB/s':>12} {'decode GB/s':>12}")
     for bits in rowwise.BITS:
         packed, _ = rowwise.quantize_rows(x, bits)
-        enc = gb / _best(lambda b=bits: rowwise.quantize_rows(x, b), args.repeat)
-        dec = gb / _best(lambda b=bits, p=packed: rowwise.dequantize_rows(p, b, WIDTH, torch.float32),
+        enc = gb / _median(lambda b=bits: rowwise.quantize_rows(x, b), args.repeat)
+        dec = gb / _median(lambda b=bits, p=packed: rowwise.dequantize_rows(p, b, WIDTH, torch.float32),
                          args.repeat)
         print(f"{f'deltackpt {bits}-bit':<22} {packed.shape[1]:>9} {enc:>12.2f} {dec:>12.2f}")
+        out.append(figure(f"{bits}-bit encode, one thread", enc, "GB/s"))
         if bits <= 4:
-            t = _best(lambda b=bits: rowwise.quantize_rows(small, b, adaptive=True), 1)
+            t = _median(lambda b=bits: rowwise.quantize_rows(small, b, adaptive=True), 3)
+            out.append(figure(f"{bits}-bit adaptive encode, one thread", small.nbytes / 1e9 / t, "GB/s"))
             print(f"{f'deltackpt {bits}-bit adaptive':<22} {packed.shape[1]:>9} "
                   f"{small.nbytes / 1e9 / t:>12.3f} {dec:>12.2f}")
     ops = torch.ops.quantized
@@ -110,9 +116,10 @@ def run_kernels(args: argparse.Namespace) -> None:
                                ("4bit", ops.embedding_bag_4bit_prepack, ops.embedding_bag_4bit_unpack),
                                ("2bit", ops.embedding_bag_2bit_prepack, ops.embedding_bag_2bit_unpack)]:
         packed = pack(x)
-        enc = gb / _best(lambda p=pack: p(x), args.repeat)
-        dec = gb / _best(lambda u=unpack, q=packed: u(q), args.repeat)
+        enc = gb / _median(lambda p=pack: p(x), args.repeat)
+        dec = gb / _median(lambda u=unpack, q=packed: u(q), args.repeat)
         print(f"{f'torch {name}_prepack':<22} {packed.shape[1]:>9} {enc:>12.2f} {dec:>12.2f}")
+        out.append(figure(f"torch {name}_prepack encode, one thread", enc, "GB/s"))
     print(f"exact row: {WIDTH * 4} bytes")
     tiny = torch.rand(small.shape, generator=g) * 1e-6
     theory = (tiny.max(1).values - tiny.min(1).values) / 510
@@ -134,7 +141,7 @@ QUANTIZE = [("exact", None), ("8-bit", Rowwise(bits=8)), ("4-bit adaptive", Roww
             ("2-bit adaptive", Rowwise(bits=2, adaptive=True))]
 
 
-def run_store(args: argparse.Namespace, scratch: str) -> None:
+def run_store(args: argparse.Namespace, scratch: str, out: list[dict]) -> None:
     """Bytes per changed row of a delta, and capacity over ``--checkpoints`` saves, per policy."""
     from bench_chains import INCREMENTAL, Workload, disk_usage  # bench/bench_chains.py
 
@@ -179,10 +186,13 @@ def run_store(args: argparse.Namespace, scratch: str) -> None:
             print(f"{pname:<26} {qname:<15} {per_row:>13.1f} {exact_per_row / per_row:>7.2f}x "
                   f"{written / 2**20:>11.1f} {disk / 2**20:>9.1f} {n * full / disk:>8.1f}x {ratio:>13.3f}",
                   flush=True)
+            out.append(figure(f"{pname}, {qname}: bytes per changed row", per_row, "B", peer="exact",
+                              peer_runs=exact_per_row))
+            out.append(figure(f"{pname}, {qname}: capacity vs full checkpoints", n * full / disk, "x"))
             shutil.rmtree(path, ignore_errors=True)
 
 
-def run_dlrm(args: argparse.Namespace, scratch: str) -> None:
+def run_dlrm(args: argparse.Namespace, scratch: str, out: list[dict]) -> None:
     """Evaluation loss of a DLRM run that fails and resumes from its latest (quantized) step
     1, 3 or 10 times, against the same run resumed from exact steps (which matches the run with
     no failure bit for bit)."""
@@ -223,19 +233,23 @@ def run_dlrm(args: argparse.Namespace, scratch: str) -> None:
         for restores in (1, 3, 10):
             got, made = run(rule, restores)
             cells.append(f"{made} restores {100 * (got - exact) / exact:+.4f} %")
+            out.append(figure(f"DLRM {rule.scheme}, {made} restores: eval loss vs exact", 100 * (got - exact) / exact,
+                              "%"))
         print(f"  {rule.scheme:<10} " + ", ".join(cells), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     parts = args.parts.split(",")
+    out: list[dict] = []
     if "kernels" in parts:
-        run_kernels(args)
+        run_kernels(args, out)
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
         if "store" in parts:
-            run_store(args, scratch)
+            run_store(args, scratch, out)
         if "dlrm" in parts:
-            run_dlrm(args, scratch)
+            run_dlrm(args, scratch, out)
+    write_figures(args.json, "bench_quant", args, out)
     return 0
 
 

@@ -36,7 +36,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-from common import Reserve, evict  # noqa: E402
+from common import Reserve, evict, figure, json_option, write_figures  # noqa: E402
 from s3_proxy import S3Proxy  # noqa: E402
 from s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, start_seaweedfs  # noqa: E402
 
@@ -207,6 +207,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=524_288, help="rows per table (default 524,288)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--targets", default="s3,local,dcp-s3fs")
+    json_option(p)
     args = p.parse_args()
     nbytes = sum(t.numel() * t.element_size() for t in tensors(make_state(args)).values())
     scratch = tempfile.mkdtemp(prefix="bench-s3-", dir=os.environ.get("BENCH_DIR", "."))
@@ -241,6 +242,15 @@ def main() -> None:
         print(f"\n1% delta on S3: {stored:,} B stored; {sent:,} B sent and {received:,} B received over "
               f"the wire ({sent / stored:.3f}x the stored bytes sent); {sum(methods.values())} "
               f"requests ({', '.join(f'{n} {m}' for m, n in sorted(methods.items()))})")
+        rows = []
+        for op, ts in times.items():
+            lib, what = op.split(": ", 1)
+            peer = next((f"{p}: {what}" for p in ("DCP fsspec s3fs", "deltackpt local dir")
+                         if p != lib and f"{p}: {what}" in times), None)
+            rows.append(figure(op, ts, peer=peer, peer_runs=times.get(peer or "")))
+        rows.append(figure("1% delta on S3: bytes sent over the wire", sent, "B", peer="bytes stored",
+                           peer_runs=stored))
+        write_figures(args.json, "bench_s3", args, rows, state_bytes=nbytes)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

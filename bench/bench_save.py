@@ -64,7 +64,9 @@ import torch
 import deltackpt
 from deltackpt import kernels
 
-from common import Reserve, cpu_seconds, evict, others_cpu, tree_bytes  # bench/common.py
+from common import (  # bench/common.py
+    Reserve, cpu_seconds, evict, figure, json_option, others_cpu, tree_bytes, write_figures,
+)
 
 MiB = 1 << 20
 PIECE = 64 * MiB
@@ -86,6 +88,7 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk-mib", type=int, default=32,
                    help="Checkpointer chunk_bytes in MiB (default %(default)s)")
     p.add_argument("--io-threads", type=int, default=4, help="Checkpointer io_threads (default %(default)s)")
+    json_option(p)
     args = p.parse_args(argv)
     if args.rows < 100 or args.dim < 1 or args.repeat < 1:
         p.error("need --rows >= 100, --dim >= 1, --repeat >= 1")
@@ -391,6 +394,15 @@ def report(b: Bench) -> None:
         runs = ", ".join(f"{t:.3f}" for t in b.times[op])
         print(f"| {op} | {s:.3f} | {b.nbytes / s / 1e9:.2f} | {ratio:.3f} | "
               f"{'' if w is None else f'{w:,}'} | {runs} |")
+    rows = []
+    for op, ts in b.times.items():
+        is_save = any(w in op for w in ("save", "write", "hash"))
+        peer = "torch.save + fsync" if is_save else "torch.load (evicted)"
+        rows.append(figure(op, ts, peer=None if op == peer else peer, peer_runs=None if op == peer else b.times[peer]))
+    rows.append(figure("1% delta bytes on disk", got, "B", peer="1% x rows x (row bytes + 8)", peer_runs=target))
+    write_figures(b.args.json, "bench_save", b.args, rows, state_bytes=b.nbytes,
+                  disk_write_s=med["disk write + fsync (64 MiB pieces)"], base_save_s=base,
+                  torch_save_s=save_ref)
 
 
 def warm_up(scratch: str, dim: int) -> None:

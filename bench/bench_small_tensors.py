@@ -3,21 +3,23 @@ parameters, optimizer state and buffers), against ``torch.save`` / ``torch.load`
 state, with the files and the record size each base costs.
 
 Run: ``python bench/bench_small_tensors.py [--tensors 20000] [--repeat 3] [--dir DIR]``.
-Prints one line per measure (the best of ``--repeat`` runs), and ``--json`` prints them as JSON.
+Prints one line per measure (the median of ``--repeat`` runs); ``--json PATH`` writes them as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
 
 import torch
 
 from deltackpt import Checkpointer, EveryK
+
+from common import figure, json_option, write_figures  # bench/common.py
 
 
 def small_state(n: int, seed: int = 0) -> dict:
@@ -77,23 +79,26 @@ def main() -> None:
     p.add_argument("--tensors", type=int, default=20_000)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--dir", default=None, help="where to write (default: a temp folder)")
-    p.add_argument("--json", action="store_true")
+    json_option(p)
     args = p.parse_args()
-    best: dict[str, float] = {}
+    runs: dict[str, list[float]] = {}
     for _ in range(args.repeat):
         where = tempfile.mkdtemp(dir=args.dir)
         try:
             for k, v in run(args.tensors, where).items():
-                best[k] = min(best.get(k, v), v)
+                runs.setdefault(k, []).append(v)
         finally:
             shutil.rmtree(where)
-    best["base / torch.save"] = best["base save s"] / best["torch.save s"]
-    if args.json:
-        print(json.dumps({"tensors": args.tensors, **best}))
-        return
-    print(f"{args.tensors} tensors, best of {args.repeat}:")
-    for k, v in best.items():
-        print(f"  {k:<20} {v:.3f}" if isinstance(v, float) and v < 1000 else f"  {k:<20} {v:.0f}")
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    print(f"{args.tensors} tensors, median of {args.repeat}:")
+    for k, v in med.items():
+        print(f"  {k:<20} {v:.3f}" if v < 1000 else f"  {k:<20} {v:.0f}")
+    print(f"  {'base / torch.save':<20} {med['base save s'] / med['torch.save s']:.3f}")
+    peers = {"base save s": "torch.save s", "one-row delta s": "torch.save s", "load s": "torch.load s"}
+    write_figures(args.json, "bench_small_tensors", args, [
+        figure(k.removesuffix(" s"), v, "s" if k.endswith(" s") else ("files" if k == "base files" else "B"),
+               peer=peers.get(k), peer_runs=runs.get(peers.get(k, "")))
+        for k, v in runs.items()])
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ import time
 
 import torch
 
-from common import evict, tree_bytes  # bench/common.py
+from common import evict, figure, json_option, tree_bytes, write_figures  # bench/common.py
 
 
 def plan_of(name: str, tables: int) -> dict[str, tuple]:
@@ -207,6 +207,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3, help="delta rounds; medians reported (default 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", default=None, help="where the scratch folder goes (default: the system's)")
+    json_option(p)
     args = p.parse_args()
     if args.tables < 3 or args.dim % 2:
         p.error("--tables must be >= 3 and --dim even")
@@ -233,6 +234,11 @@ def main() -> None:
                     ("restore on plan B", "dcp.load on plan B"), ("dcp.load on plan B", None)):
         ratio = f"{times[op] / times[ref]:.3f}x" if ref else ""
         print(f"| {op} | {times[op]:.3f} | {ratio} | {result['sizes'].get(op, '')} |")
+    runs = result["times"]
+    write_figures(args.json, "bench_torchrec", args, [
+        figure(op, runs[op], peer=ref, peer_runs=runs[ref] if ref else None)
+        for op, ref in (("base save", "dcp.save"), ("delta save", "dcp.save"),
+                        ("restore on plan B", "dcp.load on plan B"))], state_bytes=result["state_bytes"])
 
 
 if __name__ == "__main__":

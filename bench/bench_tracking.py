@@ -53,7 +53,7 @@ import numba
 import numpy as np
 import torch
 import xxhash
-from common import cpu_seconds, others_cpu  # bench/common.py
+from common import cpu_seconds, figure, json_option, others_cpu, write_figures  # bench/common.py
 from deltackpt.kernels import reference
 from torch import nn
 
@@ -76,9 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hash-mib", type=int, default=256, help="buffer hashed and copied (MiB)")
     p.add_argument("--row-bytes", type=int, default=128, help="row size for the hash paths (bytes)")
     p.add_argument("--delta", type=float, default=0.01, help="share of rows a delta changes")
+    p.add_argument("--fractions", default="",
+                   help="more shares of rows for the delta saves, comma-separated (e.g. 0.001,0.05,0.5)")
     p.add_argument("--repeat", type=int, default=5, help="timed rounds of the hash and save parts")
     p.add_argument("--dir", default=tempfile.gettempdir(), help="where the scratch folder goes")
     p.add_argument("--seed", type=int, default=0, help="random seed")
+    json_option(p)
     args = p.parse_args(argv)
     for name in ("tables", "rows", "dim", "batch", "pooling", "steps", "hash_mib", "row_bytes",
                  "repeat"):
@@ -254,13 +257,13 @@ def measure_hashing(args) -> dict[str, float]:
     return out
 
 
-def measure_saving(args, model, opts, ckpt_marks, ckpt_hash, scratch, gen) -> dict[str, float]:
+def measure_saving(args, fraction, first_step, model, opts, ckpt_marks, ckpt_hash, scratch, gen) -> dict[str, float]:
     state = state_of(model, *opts)
     full = nbytes_of(state)
-    k = int(args.rows * args.delta) // args.pooling * args.pooling
+    k = max(args.pooling, int(args.rows * fraction) // args.pooling * args.pooling)
     pt = os.path.join(scratch, "state.pt")
     written: dict[str, list[int]] = {"marks": [], "hashes": []}
-    step = [1000]
+    step = [first_step]
 
     def touch() -> None:
         step[0] += 1
@@ -306,6 +309,7 @@ def measure_saving(args, model, opts, ckpt_marks, ckpt_hash, scratch, gen) -> di
         written["hashes"].append(h.bytes_written)
     out = {name: statistics.median(ts) for name, ts in times.items()}
     out.update(full=full, rows=k, **{f"{n}_bytes": statistics.median(b) for n, b in written.items()})
+    out.update({f"{n}_runs": ts for n, ts in times.items()})
     return out
 
 
@@ -383,7 +387,10 @@ def main(argv: list[str] | None = None) -> None:
         ckpt_marks.save(1, state)  # takes the marks of the timed steps
         ckpt_hash.save(1, state)
         t0, cpu = time.perf_counter(), cpu_seconds()
-        saving = measure_saving(args, model, opts, ckpt_marks, ckpt_hash, scratch, gen)
+        fractions = sorted({args.delta, *(float(f) for f in args.fractions.split(",") if f)})
+        sweep = {f: measure_saving(args, f, 1000 * (i + 1), model, opts, ckpt_marks, ckpt_hash, scratch, gen)
+                 for i, f in enumerate(fractions)}
+        saving = sweep[args.delta]
         report_others("saving", cpu, t0)
         handle.remove()
         ckpt_marks.close()
@@ -436,6 +443,40 @@ def main(argv: list[str] | None = None) -> None:
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for r in rows:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
+    print()
+    print("| delta | rows per table | marks s | hashing s | torch.save s | marks MB | hashing MB |")
+    print("|---|---|---|---|---|---|---|")
+    for f, sv in sweep.items():
+        print(f"| {f:.1%} | {sv['rows']} | {sv['marks']:.4f} | {sv['hashes']:.4f} | {sv['torch.save']:.4f} "
+              f"| {sv['marks_bytes'] / 1e6:.2f} | {sv['hashes_bytes'] / 1e6:.2f} |")
+    write_figures(args.json, "bench_tracking", args, figures(args, marking, hashing, finding, sweep),
+                  fraction=list(sweep), state_bytes=saving["full"],
+                  marks_s=[sv["marks"] for sv in sweep.values()],
+                  hashes_s=[sv["hashes"] for sv in sweep.values()],
+                  torch_save_s=[sv["torch.save"] for sv in sweep.values()],
+                  marks_bytes=[sv["marks_bytes"] for sv in sweep.values()],
+                  hashes_bytes=[sv["hashes_bytes"] for sv in sweep.values()],
+                  changed_row_bytes=[2 * args.tables * sv["rows"] * (args.dim * 4 + 8) for sv in sweep.values()])
+
+
+def figures(args, marking, hashing, finding, sweep) -> list[dict]:
+    """The figures of :func:`main` as rows for ``--json``."""
+    rows = [
+        figure("marking per step", marking["mark"], peer="training step", peer_runs=marking["step"]),
+        figure("find a delta's changes, marks", finding["marks"], peer="full hashing",
+               peer_runs=finding["hashes"]),
+    ]
+    rows += [figure(label, hashing[name], "GB/s", peer="memcpy, 1 thread", peer_runs=hashing["memcpy"])
+             for name, label in (("xxh3", "xxhash XXH3-64, 1 thread"), ("xxh64", "xxhash XXH64, 1 thread"),
+                                 ("hash_rows_1", f"hash_rows {args.row_bytes} B rows, 1 thread"))]
+    for f, sv in sweep.items():
+        for how in ("marks", "hashes"):
+            rows.append(figure(f"{f:.1%} delta save, {'marks' if how == 'marks' else 'hashing'}",
+                               sv[f"{how}_runs"], peer="torch.save + fsync", peer_runs=sv["torch.save_runs"]))
+        rows.append(figure(f"{f:.1%} delta bytes, marks", sv["marks_bytes"], "B",
+                           peer="changed rows x (row bytes + 8)",
+                           peer_runs=2 * args.tables * sv["rows"] * (args.dim * 4 + 8)))
+    return rows
 
 
 if __name__ == "__main__":

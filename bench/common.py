@@ -10,7 +10,11 @@ timed operations (:class:`Reserve`) and free the part an operation will allocate
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import statistics
+from typing import Any
 
 import numpy as np
 
@@ -99,3 +103,58 @@ def others_cpu(start: tuple[float, float] | None, end: tuple[float, float] | Non
     if start is None or end is None:
         return None
     return max(0.0, (end[0] - start[0]) - (end[1] - start[1]))
+
+
+def figure(name: str, runs: list[float] | float, unit: str = "s", *, peer: str | None = None,
+           peer_runs: list[float] | float | None = None, ratio: float | None = None) -> dict[str, Any]:
+    """One row of a bench's figures: its median over ``runs`` and, beside a peer, the ratio of medians.
+
+    Args:
+        name: what was measured, as the bench's own table names it.
+        runs: every round's value (or one value when the bench reports a single figure).
+        unit: the unit of ``runs`` ("s", "B", "GB/s", "MiB", "x", ...).
+        peer: the reference measured in the same run (``torch.save``, DCP, the disk, ...).
+        peer_runs: the peer's values in the same rounds; ``ratio`` is then median / peer median.
+        ratio: a ratio the bench computed itself, when it is not median / peer median.
+    """
+    values = [float(v) for v in (runs if isinstance(runs, list) else [runs])]
+    row: dict[str, Any] = {"name": name, "unit": unit, "median": statistics.median(values), "runs": values}
+    if peer is not None:
+        row["peer"] = peer
+    if peer_runs is not None:
+        theirs = [float(v) for v in (peer_runs if isinstance(peer_runs, list) else [peer_runs])]
+        row["peer_median"] = statistics.median(theirs)
+        if ratio is None and row["peer_median"]:
+            ratio = row["median"] / row["peer_median"]
+    if ratio is not None:
+        row["ratio"] = float(ratio)
+    return row
+
+
+def write_figures(path: str | None, bench: str, args: argparse.Namespace | dict[str, Any],
+                  rows: list[dict[str, Any]], **series: Any) -> None:
+    """Writes a bench's figures to ``path`` as JSON (nothing when ``path`` is None).
+
+    Args:
+        path: the file of the bench's ``--json`` option.
+        bench: the bench's name (its script's stem).
+        args: the options it ran with.
+        rows: its figures, each made by :func:`figure`.
+        **series: data behind plots (lists of numbers keyed by name), written as they are.
+    """
+    if path is None:
+        return
+    params = dict(vars(args) if isinstance(args, argparse.Namespace) else args)
+    params.pop("json", None)
+    doc = {"bench": bench, "params": params, "rows": rows, "series": series}
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+        f.write("\n")
+
+
+def json_option(parser: argparse.ArgumentParser) -> None:
+    """Adds ``--json PATH`` (write the figures there as JSON as well as printing them)."""
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help="also write the figures as JSON to PATH (read by python -m bench)")

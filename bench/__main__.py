@@ -1,0 +1,451 @@
+"""``python -m bench``: every bench of ``bench/`` at one size, its figures written to ``bench/results/``.
+
+Each bench runs as its own process (``python bench/<bench>.py <options of the size> --json FILE``),
+one after the other, so a bench stays runnable alone and a crash or a hang in one does not stop
+the others. Every bench times deltackpt and its peers (the disk, memcpy, xxhash, ``torch.save``,
+DCP, ...) alternately in the same process and reports medians of at least 3 rounds. Then:
+
+* ``RESULTS/<bench>.json``: the bench's figures (rows of median, every round, the peer and the
+  ratio), the data behind the plots, its options, the command, the date, the machine (CPUs,
+  memory, load average before and after) and the versions (deltackpt's commit, torch, numpy, ...);
+  a bench that failed or was skipped says so with the end of its output;
+* ``RESULTS/summary.md``: the key figures first, then every bench's rows;
+* ``RESULTS/*.png`` (matplotlib, the ``bench`` extra): delta bytes and time against the change
+  fraction, restore time against the chain length, base save time against the state size beside
+  the disk's write bandwidth.
+
+Sizes: ``--quick`` (minutes on a 2-core machine), the full size by default (the benches' own
+defaults: about an hour), ``--size tiny`` (seconds per bench: for the test that keeps this command
+working). ``--only`` and ``--skip`` take bench names. A bench whose modules do not import
+(TorchRec, SeaweedFS, DCP's s3fs) is skipped with the reason.
+
+Example:
+    python -m bench --quick
+    python -m bench --only bench_save,bench_chains --out /tmp/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SIZES = ("tiny", "quick", "full")
+
+
+@dataclass(frozen=True)
+class Bench:
+    """One bench script and the options it runs with at each size.
+
+    Attributes:
+        name: the script's stem (``bench/<name>.py``).
+        sizes: per size, the option lists of its runs (one process per list; several lists run it
+            at several sizes, e.g. bench_save for the base-save-vs-state-size plot).
+        needs: modules that must import, or a ``bin:NAME`` executable on PATH; else it is skipped.
+        takes_dir: whether it takes ``--dir`` (the folder its scratch folder goes in).
+    """
+
+    name: str
+    sizes: dict[str, tuple[tuple[str, ...], ...]]
+    needs: tuple[str, ...] = field(default=())
+    takes_dir: bool = True
+
+
+def _same(args: str, *more: str) -> tuple[tuple[str, ...], ...]:
+    return tuple(tuple(shlex.split(a)) for a in (args, *more))
+
+
+BENCHES: tuple[Bench, ...] = (
+    Bench("bench_startup", {
+        "tiny": _same("--repeat 3 --skip-cold"),
+        "quick": _same("--repeat 3"),
+        "full": _same("--repeat 5"),
+    }),
+    Bench("bench_kernels", {
+        "tiny": _same("--size-mib 8 --repeats 3 --mask-rows 100000 --mark-ids 10000 --collision-rows 10000 "
+                      "--piece-rows 10000"),
+        "quick": _same("--size-mib 128 --repeats 5 --collision-rows 1000000"),
+        "full": _same(""),
+    }, takes_dir=False),
+    Bench("bench_save", {
+        "tiny": _same("--rows 4096 --dim 64 --repeat 3", "--rows 16384 --dim 64 --repeat 3"),
+        "quick": _same("--rows 131072 --dim 128 --repeat 3", "--rows 524288 --dim 128 --repeat 3",
+                       "--rows 1048576 --dim 128 --repeat 3"),
+        "full": _same("--rows 1048576 --repeat 3", "--rows 2097152 --repeat 3", "--repeat 3"),
+    }),
+    Bench("bench_tracking", {
+        "tiny": _same("--tables 2 --rows 20000 --dim 32 --batch 256 --steps 3 --hash-mib 8 --repeat 3 "
+                      "--fractions 0.001,0.05"),
+        "quick": _same("--tables 4 --rows 100000 --dim 32 --batch 1024 --steps 5 --hash-mib 64 --repeat 3 "
+                       "--fractions 0.001,0.01,0.05,0.2,0.5"),
+        "full": _same("--fractions 0.001,0.01,0.05,0.2,0.5"),
+    }),
+    Bench("bench_chains", {
+        "tiny": _same("--rows 20000 --dim 32 --chain-lengths 0,4 --policy-rows 5000 --checkpoints 12 --repeat 3"),
+        "quick": _same("--rows 262144 --dim 64 --chain-lengths 0,4,10,16,64 --policy-rows 65536 "
+                       "--checkpoints 50 --repeat 3"),
+        "full": _same("--chain-lengths 0,4,10,16,64"),
+    }),
+    Bench("bench_distributed", {
+        "tiny": _same("--tables 2 --rows 4096 --dim 32 --repeat 3 --worlds 1"),
+        "quick": _same("--tables 4 --rows 131072 --dim 64 --repeat 3 --worlds 1,4"),
+        "full": _same("--repeat 3"),
+    }),
+    Bench("bench_busy", {
+        "tiny": _same("--tables 2 --rows 20000 --dim 32 --dense-mib 4 --dirty-gib 0.05 --repeat 3"),
+        "quick": _same("--tables 4 --rows 250000 --dim 32 --dense-mib 32 --dirty-gib 0.5 --repeat 3"),
+        "full": _same("--repeat 3"),
+    }),
+    Bench("bench_async", {
+        "tiny": _same("--tables 2 --rows 8192 --dim 32 --steps 3 --repeat 3"),
+        "quick": _same("--tables 4 --rows 65536 --dim 64 --steps 5 --repeat 3"),
+        "full": _same("--repeat 3"),
+    }),
+    Bench("bench_small_tensors", {
+        "tiny": _same("--tensors 200 --repeat 3"),
+        "quick": _same("--tensors 5000 --repeat 3"),
+        "full": _same("--repeat 3"),
+    }),
+    Bench("bench_quant", {
+        "tiny": _same("--rows 4096 --repeat 3 --table-rows 4096 --checkpoints 8 --parts kernels,store"),
+        "quick": _same("--rows 65536 --repeat 3 --table-rows 16384 --checkpoints 50 --dlrm-steps 20"),
+        "full": _same(""),
+    }),
+    Bench("bench_export", {
+        "tiny": _same("--scale 0.002 --repeat 3"),
+        "quick": _same("--scale 0.1 --repeat 3"),
+        "full": _same("--repeat 3"),
+    }),
+    Bench("bench_control_plane", {
+        "tiny": _same("--world 8 --tensors 10"),
+        "quick": _same("--world 128 --tensors 100"),
+        "full": _same("--world 1024 --tensors 1000"),
+    }, takes_dir=False),
+    Bench("bench_codecs", {
+        "tiny": _same("--rows 2000 --repeat 3"),
+        "quick": _same("--rows 20000 --repeat 3"),
+        "full": _same("--repeat 3"),
+    }, takes_dir=False),
+    Bench("bench_s3", {
+        "tiny": _same("--tables 2 --rows 4096 --rounds 3 --targets s3,local"),
+        "quick": _same("--tables 4 --rows 32768 --rounds 3"),
+        "full": _same("--rounds 3"),
+    }, needs=("obstore", "s3fs", "bin:weed"), takes_dir=False),  # its scratch folder: $BENCH_DIR
+    Bench("bench_torchrec", {
+        "tiny": _same("--tables 3 --rows 4096 --dim 16 --repeat 3"),
+        "quick": _same("--tables 4 --rows 65536 --dim 64 --repeat 3"),
+        "full": _same("--repeat 3"),
+    }, needs=("torchrec",)),
+)
+
+
+def missing(bench: Bench) -> list[str]:
+    """The modules or executables ``bench`` needs that are not there."""
+    out = []
+    for need in bench.needs:
+        if need.startswith("bin:"):
+            if shutil.which(need[4:]) is None:
+                out.append(need)
+        elif importlib.util.find_spec(need) is None:
+            out.append(need)
+    return out
+
+
+def machine() -> dict[str, Any]:
+    """CPUs, memory and load of this machine."""
+    info: dict[str, Any] = {"cpus": os.cpu_count(), "platform": platform.platform(),
+                            "python": platform.python_version(), "load_average": os.getloadavg()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+        with open("/proc/meminfo") as f:
+            info["memory_bytes"] = int(f.readline().split()[1]) * 1024
+    except OSError:
+        pass
+    return info
+
+
+def versions() -> dict[str, Any]:
+    """deltackpt's commit and the versions of the libraries the figures depend on."""
+    out: dict[str, Any] = {}
+    for name in ("torch", "numpy", "zarr", "numcodecs", "numba", "xxhash", "triton", "torchrec", "obstore"):
+        try:
+            from importlib.metadata import version
+
+            out[name] = version(name)
+        except Exception:  # noqa: BLE001 - not installed
+            out[name] = None
+    git = ["git", "-C", ROOT]
+    try:
+        out["deltackpt_commit"] = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                                 check=True).stdout.strip()
+        out["deltackpt_dirty"] = bool(subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
+                                                     capture_output=True, text=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        out["deltackpt_commit"] = None
+    return out
+
+
+def run_bench(bench: Bench, size: str, scratch: str, timeout: float) -> dict[str, Any]:
+    """Runs every option list of ``bench`` at ``size``; returns its result document."""
+    doc: dict[str, Any] = {"bench": bench.name, "size": size,
+                           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                           "machine": machine(), "runs": []}
+    lost = missing(bench)
+    if lost:
+        doc.update(status="skipped", error=f"not installed: {', '.join(lost)}")
+        return doc
+    t0 = time.perf_counter()
+    env = dict(os.environ, BENCH_DIR=scratch, PYTHONUNBUFFERED="1")
+    for i, options in enumerate(bench.sizes[size]):
+        out = os.path.join(scratch, f"{bench.name}.{i}.json")
+        cmd = [sys.executable, os.path.join("bench", f"{bench.name}.py"), *options, "--json", out]
+        if bench.name == "bench_chains":  # its policy plot goes beside the other plots
+            cmd += ["--out", os.path.join(scratch, "chains.png")]
+        if bench.takes_dir:
+            cmd += ["--dir", scratch]
+        print(f"$ {shlex.join(cmd)}", flush=True)
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+            status, text = ("ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})",
+                            proc.stdout + proc.stderr)
+        except subprocess.TimeoutExpired as e:
+            status = f"timed out after {timeout:.0f} s"
+            text = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
+        run: dict[str, Any] = {"command": shlex.join(cmd[1:-2]), "status": status}
+        if status == "ok" and os.path.exists(out):
+            with open(out) as f:
+                run.update(json.load(f))
+        else:
+            run["status"] = status if status != "ok" else "no figures written"
+            run["output_tail"] = text[-3000:]
+        doc["runs"].append(run)
+    doc["wall_s"] = time.perf_counter() - t0
+    doc["load_average_after"] = os.getloadavg()
+    doc["status"] = "ok" if all(r["status"] == "ok" for r in doc["runs"]) else "failed"
+    return doc
+
+
+# -- the summary ------------------------------------------------------------------------------------
+
+KEY: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # (bench, name prefixes of its rows shown first in summary.md and the README)
+    ("bench_kernels", ("memcpy", "xxhash.xxh3_64", "hash_rows")),
+    ("bench_save", ("disk write", "disk read", "deltackpt base save", "deltackpt 1% delta save",
+                    "deltackpt restore", "1% delta bytes")),
+    ("bench_distributed", ("deltackpt base save", "deltackpt 1% delta save", "deltackpt restore")),
+    ("bench_tracking", ("marking per step",) + tuple(f"{f} delta" for f in ("0.1%", "1.0%", "5.0%", "20.0%", "50.0%"))),
+    ("bench_chains", ("restore after",)),
+    ("bench_startup", ("",)),
+    ("bench_busy", ("1% delta", "base save")),
+    ("bench_async", ("base background: blocked", "1% delta background: blocked",
+                     "first background save")),
+    ("bench_small_tensors", ("base save", "one-row delta", "load")),
+    ("bench_quant", ("incremental only, 8-bit", "8-bit encode")),
+    ("bench_export", ("export",)),
+    ("bench_control_plane", ("record of save",)),
+    ("bench_s3", ("deltackpt s3",)),
+    ("bench_torchrec", ("delta save", "restore on plan B")),
+)
+
+
+def _num(x: float | None, unit: str = "") -> str:
+    if x is None:
+        return ""
+    if unit == "B" or abs(x) >= 1e5:
+        return f"{x:,.0f}"
+    return f"{x:.3g}" if abs(x) < 1000 else f"{x:,.0f}"
+
+
+def _row_line(bench: str, r: dict[str, Any], many: bool, state: int | None) -> str:
+    where = f" ({state / 1e6:,.0f} MB)" if many and state else ""
+    ratio = "" if r.get("ratio") is None else f"{r['ratio']:.3f}"
+    runs = ", ".join(_num(v, r["unit"]) for v in r["runs"]) if len(r["runs"]) > 1 else ""
+    return (f"| {bench} | {r['name']}{where} | {_num(r['median'], r['unit'])} {r['unit']} | "
+            f"{r.get('peer', '')} | {_num(r.get('peer_median'), r['unit'])} | {ratio} | {runs} |")
+
+
+HEADER = ("| bench | figure | median | peer | peer median | ratio | runs |\n"
+          "|---|---|---:|---|---:|---:|---|")
+
+
+def summary(docs: list[dict[str, Any]], command: str) -> str:
+    """The markdown of ``summary.md``: the key figures, then every bench's rows and its status."""
+    first = docs[0] if docs else {}
+    ver = versions()
+    lines = [f"# Bench results\n\n`{command}` on {first.get('date', '?')}; deltackpt "
+             f"{(ver.get('deltackpt_commit') or '?')[:10]}{' (uncommitted changes)' if ver.get('deltackpt_dirty') else ''}, "
+             f"torch {ver.get('torch')}; {first.get('machine', {}).get('cpus')} CPUs "
+             f"({first.get('machine', {}).get('cpu')}), load average at the start "
+             f"{', '.join(f'{x:.1f}' for x in first.get('machine', {}).get('load_average', ()))}.\n",
+             "Medians over the rounds (every round in the last column); ratio = median / the peer's median "
+             "measured in the same run (< 1: deltackpt is faster or smaller).\n",
+             "## Key figures\n", HEADER]
+    by_name = {d["bench"]: d for d in docs}
+    for bench, prefixes in KEY:
+        doc = by_name.get(bench)
+        if doc is None:
+            continue
+        runs = [r for r in doc["runs"] if r["status"] == "ok"]
+        for run in runs:
+            for r in run["rows"]:
+                if any(r["name"].startswith(p) for p in prefixes):
+                    lines.append(_row_line(bench, r, len(runs) > 1, run["series"].get("state_bytes")))
+    lines.append("\n## Status\n\n| bench | status | wall s | commands |\n|---|---|---:|---|")
+    for d in docs:
+        cmds = "; ".join(f"`{r['command']}`" if "command" in r else "" for r in d["runs"])
+        lines.append(f"| {d['bench']} | {d['status']}{': ' + d['error'] if d.get('error') else ''} | "
+                     f"{d.get('wall_s', 0):.0f} | {cmds} |")
+    for d in docs:
+        lines.append(f"\n## {d['bench']}\n")
+        for run in d["runs"]:
+            if run["status"] != "ok":
+                tail = run.get("output_tail", "").strip().splitlines()[-5:]
+                lines.append(f"`{run.get('command', '')}`: {run['status']}\n\n```\n" + "\n".join(tail) + "\n```\n")
+                continue
+            lines += [f"`{run['command']}`\n", HEADER]
+            lines += [_row_line(d["bench"], r, False, None) for r in run["rows"]]
+            lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+# -- the plots --------------------------------------------------------------------------------------
+
+
+def _series(docs: dict[str, dict[str, Any]], bench: str) -> list[dict[str, Any]]:
+    doc = docs.get(bench)
+    return [r["series"] for r in (doc["runs"] if doc else ()) if r["status"] == "ok"]
+
+
+def plots(docs: dict[str, dict[str, Any]], out: str) -> list[str]:
+    """Writes the PNG plots whose data the benches gave; returns their paths."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    written = []
+
+    def save(fig: Figure, name: str) -> None:
+        path = os.path.join(out, name)
+        fig.tight_layout()
+        FigureCanvasAgg(fig).print_png(path)
+        written.append(path)
+
+    for s in _series(docs, "bench_tracking"):
+        fig = Figure(figsize=(10, 4))
+        t, b = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+        x = [100 * f for f in s["fraction"]]
+        t.plot(x, s["marks_s"], "o-", label="deltackpt, marks")
+        t.plot(x, s["hashes_s"], "s-", label="deltackpt, hashing")
+        t.plot(x, s["torch_save_s"], "k--", label="torch.save + fsync (whole state)")
+        t.set(xscale="log", yscale="log", xlabel="rows changed (%)", ylabel="delta save (s)",
+              title=f"delta save time, {s['state_bytes'] / 1e6:,.0f} MB state")
+        b.plot(x, s["marks_bytes"], "o-", label="deltackpt, marks")
+        b.plot(x, s["hashes_bytes"], "s-", label="deltackpt, hashing")
+        b.plot(x, s["changed_row_bytes"], "k--", label="changed rows x (row bytes + 8)")
+        b.set(xscale="log", yscale="log", xlabel="rows changed (%)", ylabel="bytes written",
+              title="delta bytes")
+        for ax in (t, b):
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        save(fig, "delta_vs_fraction.png")
+    for s in _series(docs, "bench_chains"):
+        if "chain_length" not in s:
+            continue
+        fig = Figure(figsize=(6, 4))
+        ax = fig.add_subplot()
+        ax.plot(s["chain_length"], s["restore_s"], "o-", label="restore, chain replayed")
+        ax.plot(s["chain_length"], s["restore_compacted_s"], "s-", label="restore after compaction")
+        ax.set(xlabel="deltas in the chain", ylabel="restore (s)", title="restore time vs chain length",
+               ylim=(0, None))
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        save(fig, "restore_vs_chain.png")
+    saves = sorted(_series(docs, "bench_save"), key=lambda s: s["state_bytes"])
+    if saves:
+        fig = Figure(figsize=(6, 4))
+        ax = fig.add_subplot()
+        gb = [s["state_bytes"] / 1e9 for s in saves]
+        bw = statistics.median(s["state_bytes"] / s["disk_write_s"] for s in saves) / 1e9
+        ax.plot(gb, [s["base_save_s"] for s in saves], "o-", label="deltackpt base save")
+        ax.plot(gb, [s["torch_save_s"] for s in saves], "s-", label="torch.save + fsync")
+        ax.plot([0, max(gb)], [0, max(gb) / bw], "k--", label=f"disk write + fsync, {bw:.2f} GB/s")
+        ax.set(xlabel="state (GB)", ylabel="seconds", title="base save vs state size", xlim=(0, None),
+               ylim=(0, None))
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        save(fig, "base_vs_size.png")
+    return written
+
+
+# -- the command ------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_const", const="quick", dest="size",
+                   help="the quick sizes (minutes in all)")
+    p.add_argument("--size", choices=SIZES, default="full", help="the size to run (default: full)")
+    p.add_argument("--only", default="", help="comma-separated bench names to run (default: all)")
+    p.add_argument("--skip", default="", help="comma-separated bench names not to run")
+    p.add_argument("--out", default=os.path.join(HERE, "results"), help="results folder (default bench/results)")
+    p.add_argument("--dir", default=tempfile.gettempdir(), help="where the benches' scratch folder goes")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds a bench process may run (default: 900 quick or tiny, 5400 full)")
+    args = p.parse_args(argv)
+    names = {b.name for b in BENCHES}
+    for opt in ("only", "skip"):
+        picked = {x for x in getattr(args, opt).split(",") if x}
+        if picked - names:
+            p.error(f"--{opt}: no bench named {', '.join(sorted(picked - names))}; have {', '.join(sorted(names))}")
+        setattr(args, opt, picked)
+    if args.timeout is None:
+        args.timeout = 5400.0 if args.size == "full" else 900.0
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)])
+    os.makedirs(args.out, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix="deltackpt-bench-", dir=args.dir)
+    docs = []
+    try:
+        for bench in BENCHES:
+            if (args.only and bench.name not in args.only) or bench.name in args.skip:
+                continue
+            doc = run_bench(bench, args.size, scratch, args.timeout)
+            doc.update(command=command, versions=versions())
+            with open(os.path.join(args.out, f"{bench.name}.json"), "w") as f:
+                json.dump(doc, f, indent=1, default=str)
+                f.write("\n")
+            print(f"{bench.name}: {doc['status']}{': ' + doc['error'] if doc.get('error') else ''} "
+                  f"({doc.get('wall_s', 0):.0f} s)", flush=True)
+            docs.append(doc)
+        if os.path.exists(os.path.join(scratch, "chains.png")):
+            shutil.copy(os.path.join(scratch, "chains.png"), os.path.join(args.out, "chains_policies.png"))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
+        f.write(summary(docs, command))
+    for path in plots({d["bench"]: d for d in docs}, args.out):
+        print(f"plot: {path}")
+    print(f"summary: {os.path.join(args.out, 'summary.md')}")
+    return 0 if all(d["status"] in ("ok", "skipped") for d in docs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
