@@ -144,7 +144,7 @@ BENCHES: tuple[Bench, ...] = (
         "tiny": _same("--tables 2 --rows 4096 --rounds 3 --targets s3,local"),
         "quick": _same("--tables 4 --rows 32768 --rounds 3"),
         "full": _same("--rounds 3"),
-    }, needs=("obstore", "s3fs", "bin:weed"), takes_dir=False),  # its scratch folder: $BENCH_DIR
+    }, needs=("obstore", "bin:weed"), takes_dir=False),  # its scratch folder: $BENCH_DIR
     Bench("bench_torchrec", {
         "tiny": _same("--tables 3 --rows 4096 --dim 16 --repeat 3"),
         "quick": _same("--tables 4 --rows 65536 --dim 64 --repeat 3"),
@@ -213,12 +213,13 @@ def run_bench(bench: Bench, size: str, scratch: str, timeout: float) -> dict[str
     env = dict(os.environ, BENCH_DIR=scratch, PYTHONUNBUFFERED="1")
     for i, options in enumerate(bench.sizes[size]):
         out = os.path.join(scratch, f"{bench.name}.{i}.json")
-        cmd = [sys.executable, os.path.join("bench", f"{bench.name}.py"), *options, "--json", out]
+        script = [os.path.join("bench", f"{bench.name}.py"), *options]
         if bench.name == "bench_chains":  # its policy plot goes beside the other plots
-            cmd += ["--out", os.path.join(scratch, "chains.png")]
+            script += ["--out", os.path.join(scratch, "chains.png")]
         if bench.takes_dir:
-            cmd += ["--dir", scratch]
-        print(f"$ {shlex.join(cmd)}", flush=True)
+            script += ["--dir", scratch]
+        cmd = [sys.executable, *script, "--json", out]
+        print(f"$ python {shlex.join(script)}", flush=True)
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
             status, text = ("ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})",
@@ -226,7 +227,7 @@ def run_bench(bench: Bench, size: str, scratch: str, timeout: float) -> dict[str
         except subprocess.TimeoutExpired as e:
             status = f"timed out after {timeout:.0f} s"
             text = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
-        run: dict[str, Any] = {"command": shlex.join(cmd[1:-2]), "status": status}
+        run: dict[str, Any] = {"command": shlex.join(["python", *script]), "status": status}
         if status == "ok" and os.path.exists(out):
             with open(out) as f:
                 run.update(json.load(f))

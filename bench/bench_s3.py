@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import shutil
 import statistics
@@ -209,6 +210,10 @@ def main() -> None:
     p.add_argument("--targets", default="s3,local,dcp-s3fs")
     json_option(p)
     args = p.parse_args()
+    targets = args.targets.split(",")
+    if "dcp-s3fs" in targets and importlib.util.find_spec("s3fs") is None:
+        print("s3fs is not installed: no DCP column")
+        targets.remove("dcp-s3fs")
     nbytes = sum(t.numel() * t.element_size() for t in tensors(make_state(args)).values())
     scratch = tempfile.mkdtemp(prefix="bench-s3-", dir=os.environ.get("BENCH_DIR", "."))
     reserve = Reserve(0)
@@ -218,7 +223,7 @@ def main() -> None:
               flush=True)
         times: dict[str, list[float]] = {}
         for r in range(args.rounds):
-            for target in args.targets.split(","):
+            for target in targets:
                 tag = uuid.uuid4().hex[:8]
                 if target == "s3":
                     with fresh_server() as server:

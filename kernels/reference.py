@@ -15,11 +15,7 @@ import numpy as np
 import torch
 from numba import njit, prange, uint64
 
-PARALLEL_MIN = 4 << 20
-"""Inputs smaller than this many bytes per thread are hashed on the calling thread: waking a
-second thread costs more than it saves there (a 1000 x 16 fp32 tensor hashed in 0.02 ms on idle
-cores in parallel, 0.04-0.09 ms on one thread, and 8.7-15.5 ms in parallel when both cores were
-busy elsewhere), while 4 MiB is about 0.5 ms of hashing on one core."""
+from . import PARALLEL_MIN
 
 _P1 = np.uint64(0x9E3779B185EBCA87)
 _P2 = np.uint64(0xC2B2AE3D27D4EB4F)

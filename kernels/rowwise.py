@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from collections.abc import Callable
 from types import ModuleType
@@ -40,8 +41,6 @@ from typing import TypeVar
 
 import numpy as np
 import torch
-
-from . import rowwise_reference
 
 T = TypeVar("T")
 BITS = (8, 4, 2)
@@ -57,6 +56,11 @@ class RowError(ValueError):
         super().__init__(f"row {row} {reason}")
         self.row = row
         self.reason = reason
+
+
+def _reference() -> ModuleType:
+    # The compiled (numba) kernels load on first use, not with the package: see kernels/small.py.
+    return importlib.import_module(".rowwise_reference", __package__)
 
 
 def default_scale_dtype(bits: int) -> torch.dtype:
@@ -146,7 +150,7 @@ def quantize_rows(x: torch.Tensor, bits: int, *, adaptive: bool = False,
     else:
         host = flat.to("cpu", torch.float32).contiguous()
         codes, scales, biases, b = _threads_kept(
-            lambda: rowwise_reference.quantize(host.numpy(), bits, adaptive, half, _OUT_EPS[x.dtype]))
+            lambda: _reference().quantize(host.numpy(), bits, adaptive, half, _OUT_EPS[x.dtype]))
         sd = np.float16 if half else np.float32
         packed = torch.from_numpy(np.concatenate(
             [codes, scales.astype(sd)[:, None].view(np.uint8), biases.astype(sd)[:, None].view(np.uint8)],
@@ -186,7 +190,7 @@ def dequantize_rows(packed: torch.Tensor, bits: int, width: int, dtype: torch.dt
     sd = np.float16 if scale_dtype == torch.float16 else np.float32
     scales = np.ascontiguousarray(host[:, n : n + scale_dtype.itemsize]).view(sd)[:, 0]
     biases = np.ascontiguousarray(host[:, n + scale_dtype.itemsize :]).view(sd)[:, 0]
-    out = _threads_kept(lambda: rowwise_reference.dequantize(
+    out = _threads_kept(lambda: _reference().dequantize(
         np.ascontiguousarray(host[:, :n]), scales.astype(np.float32), biases.astype(np.float32),
         bits, width))
     return torch.from_numpy(out).to(packed.device, dtype)

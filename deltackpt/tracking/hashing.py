@@ -67,7 +67,7 @@ class Hasher:
     def _pieces(self, t: torch.Tensor) -> int:
         if self._threads <= 1 or t.device.type != "cpu":
             return 1
-        return min(self._threads, t.numel() * t.element_size() // kernels.reference.PARALLEL_MIN)
+        return min(self._threads, t.numel() * t.element_size() // kernels.PARALLEL_MIN)
 
     def _run(self, jobs: list[Callable[[], torch.Tensor]]) -> None:
         """Runs the pieces on the executor (each writes its slice of the result) and waits."""
