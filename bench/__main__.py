@@ -83,9 +83,14 @@ BENCHES: tuple[Bench, ...] = (
     }, takes_dir=False),
     Bench("bench_save", {
         "tiny": _same("--rows 4096 --dim 64 --repeat 3", "--rows 16384 --dim 64 --repeat 3"),
-        "quick": _same("--rows 131072 --dim 128 --repeat 3", "--rows 524288 --dim 128 --repeat 3",
-                       "--rows 1048576 --dim 128 --repeat 3"),
+        "quick": _same("--rows 131072 --dim 128 --repeat 3", "--rows 262144 --dim 128 --repeat 3",
+                       "--rows 524288 --dim 128 --repeat 3"),
         "full": _same("--rows 1048576 --repeat 3", "--rows 2097152 --repeat 3", "--repeat 3"),
+    }),
+    Bench("bench_memory", {
+        "tiny": _same("--tables 2 --rows 8192 --dim 32 --repeat 3"),
+        "quick": _same("--tables 4 --rows 65536 --dim 64 --repeat 3"),
+        "full": _same("--repeat 3"),
     }),
     Bench("bench_tracking", {
         "tiny": _same("--tables 2 --rows 20000 --dim 32 --batch 256 --steps 3 --hash-mib 8 --repeat 3 "
@@ -127,7 +132,7 @@ BENCHES: tuple[Bench, ...] = (
     }),
     Bench("bench_export", {
         "tiny": _same("--scale 0.002 --repeat 3"),
-        "quick": _same("--scale 0.1 --repeat 3"),
+        "quick": _same("--scale 0.05 --repeat 3"),
         "full": _same("--repeat 3"),
     }),
     Bench("bench_control_plane", {
@@ -245,10 +250,11 @@ def run_bench(bench: Bench, size: str, scratch: str, timeout: float) -> dict[str
 
 KEY: tuple[tuple[str, tuple[str, ...]], ...] = (
     # (bench, name prefixes of its rows shown first in summary.md and the README)
-    ("bench_kernels", ("memcpy", "xxhash.xxh3_64", "hash_rows")),
+    ("bench_kernels", ("memcpy", "xxhash.xxh3_64", "hash_rows 512 B rows, 1 thread")),
     ("bench_save", ("disk write", "disk read", "deltackpt base save", "deltackpt 1% delta save",
                     "deltackpt restore", "1% delta bytes")),
     ("bench_distributed", ("deltackpt base save", "deltackpt 1% delta save", "deltackpt restore")),
+    ("bench_memory", ("deltackpt", "DCP load")),
     ("bench_tracking", ("marking per step",) + tuple(f"{f} delta" for f in ("0.1%", "1.0%", "5.0%", "20.0%", "50.0%"))),
     ("bench_chains", ("restore after",)),
     ("bench_startup", ("",)),
@@ -295,17 +301,15 @@ def summary(docs: list[dict[str, Any]], command: str) -> str:
              f"{', '.join(f'{x:.1f}' for x in first.get('machine', {}).get('load_average', ()))}.\n",
              "Medians over the rounds (every round in the last column); ratio = median / the peer's median "
              "measured in the same run (< 1: deltackpt is faster or smaller).\n",
-             "## Key figures\n", HEADER]
+             "## Key figures\n", "Of a bench run at several sizes, the largest.\n", HEADER]
     by_name = {d["bench"]: d for d in docs}
     for bench, prefixes in KEY:
         doc = by_name.get(bench)
-        if doc is None:
-            continue
-        runs = [r for r in doc["runs"] if r["status"] == "ok"]
-        for run in runs:
-            for r in run["rows"]:
+        runs = [r for r in doc["runs"] if r["status"] == "ok"] if doc else []
+        if runs:  # the last run: of a bench run at several sizes, the largest
+            for r in runs[-1]["rows"]:
                 if any(r["name"].startswith(p) for p in prefixes):
-                    lines.append(_row_line(bench, r, len(runs) > 1, run["series"].get("state_bytes")))
+                    lines.append(_row_line(bench, r, len(runs) > 1, runs[-1]["series"].get("state_bytes")))
     lines.append("\n## Status\n\n| bench | status | wall s | commands |\n|---|---|---:|---|")
     for d in docs:
         cmds = "; ".join(f"`{r['command']}`" if "command" in r else "" for r in d["runs"])

@@ -564,7 +564,7 @@ def figures(chains: tuple[list[ChainRow], dict[str, list[float]]] | None,
                               peer_runs=base))
         for r in rows:
             if r.length:
-                out.append(figure(f"restore after {r.length} deltas, compacted", r.after,
+                out.append(figure(f"compacted step of a {r.length}-delta chain, restore", r.after,
                                   peer=f"restore after {rows[0].length} deltas", peer_runs=base))
         series.update(chain_length=[r.length for r in rows],
                       restore_s=[statistics.median(r.before) for r in rows],

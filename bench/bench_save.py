@@ -56,6 +56,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -246,9 +247,15 @@ class Bench:
         import torch.distributed.checkpoint as dcp
 
         path = os.path.join(self.scratch, f"dcp-{r}")
-        self.timed("DCP save (1 process)", lambda: dcp.save(self.state, checkpoint_id=path),
-                   lambda _: tree_bytes(path))
-        self.settle(path)
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            self.timed("DCP save (1 process)", lambda: dcp.save(self.state, checkpoint_id=path),
+                       lambda _: tree_bytes(path))
+            self.target.fill_(float("nan"))
+            self.settle(path)
+            self.timed("DCP load (1 process, in place, evicted)",
+                       lambda: dcp.load({"emb": self.target}, checkpoint_id=path))
+        check_equal("DCP load", self.target, self.table)
         shutil.rmtree(path)
         self.settle()
 
@@ -399,6 +406,9 @@ def report(b: Bench) -> None:
         is_save = any(w in op for w in ("save", "write", "hash"))
         peer = "torch.save + fsync" if is_save else "torch.load (evicted)"
         rows.append(figure(op, ts, peer=None if op == peer else peer, peer_runs=None if op == peer else b.times[peer]))
+    for op, peer in (("deltackpt base save", "DCP save (1 process)"),
+                     ("deltackpt restore 1% delta step (in place)", "DCP load (1 process, in place, evicted)")):
+        rows.append(figure(f"{op} vs DCP", b.times[op], peer=peer, peer_runs=b.times[peer]))
     rows.append(figure("1% delta bytes on disk", got, "B", peer="1% x rows x (row bytes + 8)", peer_runs=target))
     write_figures(b.args.json, "bench_save", b.args, rows, state_bytes=b.nbytes,
                   disk_write_s=med["disk write + fsync (64 MiB pieces)"], base_save_s=base,

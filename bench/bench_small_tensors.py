@@ -97,7 +97,7 @@ def main() -> None:
     peers = {"base save s": "torch.save s", "one-row delta s": "torch.save s", "load s": "torch.load s"}
     write_figures(args.json, "bench_small_tensors", args, [
         figure(k.removesuffix(" s"), v, "s" if k.endswith(" s") else ("files" if k == "base files" else "B"),
-               peer=peers.get(k), peer_runs=runs.get(peers.get(k, "")))
+               peer=peers[k].removesuffix(" s") if k in peers else None, peer_runs=runs.get(peers.get(k, "")))
         for k, v in runs.items()])
 
 

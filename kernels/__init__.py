@@ -4,7 +4,9 @@ Every function takes ``backend="auto" | "triton" | "torch"``. ``"torch"`` is the
 :mod:`deltackpt.kernels.reference` (the CPU path and the test oracle); ``"triton"`` runs the
 kernels of :mod:`deltackpt.kernels.triton_kernels` on CUDA tensors; ``"auto"`` picks Triton for
 CUDA tensors when triton is importable and the reference otherwise. Both backends give the same
-bits for every supported dtype.
+bits for every supported dtype. Small CPU inputs are hashed by :mod:`deltackpt.kernels.small`
+(the ``xxhash`` library, same bits) unless ``"triton"`` is asked for, and the compiled reference
+is imported on first use, so that importing the package and a small save need no numba.
 
 Example:
     >>> import torch

@@ -10,6 +10,9 @@ above any write path.
 
 from __future__ import annotations
 
+import types
+from collections.abc import Callable
+
 import numba
 import numpy as np
 import torch
@@ -195,9 +198,22 @@ def _hash_pieces(b, piece, out):
 
 _NUMBA_THREADS: int = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]  # the most it runs
 
-# The same loops compiled for one thread (prange runs as range): no thread pool is woken.
-_hash_words_serial = njit(cache=True, nogil=True)(_hash_words.py_func)
-_hash_pieces_serial = njit(cache=True, nogil=True)(_hash_pieces.py_func)
+
+
+def _serial(f: Callable[..., None]) -> Callable[..., None]:
+    """The same loop compiled for one thread (prange runs as range): no thread pool is woken.
+
+    Compiled from a copy of the function under its own name: numba's cache files are named by
+    the function's qualified name and line, and do not tell a parallel build from a serial one, so
+    under the same name whichever variant was compiled first would be loaded for both.
+    """
+    g = types.FunctionType(f.__code__, f.__globals__, f"{f.__name__}_serial", f.__defaults__, f.__closure__)
+    g.__qualname__ = f"{f.__qualname__}_serial"
+    return njit(cache=True, nogil=True)(g)
+
+
+_hash_words_serial = _serial(_hash_words.py_func)
+_hash_pieces_serial = _serial(_hash_pieces.py_func)
 
 
 def _hash(b: np.ndarray, piece: int, out: np.ndarray, threads: int | None) -> None:
