@@ -280,7 +280,7 @@ def _num(x: float | None, unit: str = "") -> str:
 
 def _row_line(bench: str, r: dict[str, Any], many: bool, state: int | None) -> str:
     where = f" ({state / 1e6:,.0f} MB)" if many and state else ""
-    ratio = "" if r.get("ratio") is None else f"{r['ratio']:.3f}"
+    ratio = "" if r.get("ratio") is None else f"{r['ratio']:.3g}"
     runs = ", ".join(_num(v, r["unit"]) for v in r["runs"]) if len(r["runs"]) > 1 else ""
     return (f"| {bench} | {r['name']}{where} | {_num(r['median'], r['unit'])} {r['unit']} | "
             f"{r.get('peer', '')} | {_num(r.get('peer_median'), r['unit'])} | {ratio} | {runs} |")
@@ -293,9 +293,14 @@ HEADER = ("| bench | figure | median | peer | peer median | ratio | runs |\n"
 def summary(docs: list[dict[str, Any]], command: str) -> str:
     """The markdown of ``summary.md``: the key figures, then every bench's rows and its status."""
     first = docs[0] if docs else {}
-    ver = versions()
-    lines = [f"# Bench results\n\n`{command}` on {first.get('date', '?')}; deltackpt "
-             f"{(ver.get('deltackpt_commit') or '?')[:10]}{' (uncommitted changes)' if ver.get('deltackpt_dirty') else ''}, "
+    ver = first.get("versions", {})
+    commits: dict[str, list[str]] = {}  # deltackpt's commit -> the benches run on it
+    for d in docs:
+        v = d.get("versions", {})
+        key = f"{(v.get('deltackpt_commit') or '?')[:10]}{' (uncommitted changes)' if v.get('deltackpt_dirty') else ''}"
+        commits.setdefault(key, []).append(d["bench"])
+    on = "; ".join(c if len(commits) == 1 else f"{c} ({', '.join(b)})" for c, b in commits.items())
+    lines = [f"# Bench results\n\n`{command}` on {first.get('date', '?')}; deltackpt {on}; "
              f"torch {ver.get('torch')}; {first.get('machine', {}).get('cpus')} CPUs "
              f"({first.get('machine', {}).get('cpu')}), load average at the start "
              f"{', '.join(f'{x:.1f}' for x in first.get('machine', {}).get('load_average', ()))}.\n",
@@ -432,8 +437,9 @@ def main(argv: list[str] | None = None) -> int:
         for bench in BENCHES:
             if (args.only and bench.name not in args.only) or bench.name in args.skip:
                 continue
+            ver = versions()  # before the run: the code it measured
             doc = run_bench(bench, args.size, scratch, args.timeout)
-            doc.update(command=command, versions=versions())
+            doc.update(command=command, versions=ver)
             with open(os.path.join(args.out, f"{bench.name}.json"), "w") as f:
                 json.dump(doc, f, indent=1, default=str)
                 f.write("\n")
