@@ -101,7 +101,7 @@ def payload(ckpt: Checkpointer, step: int) -> int:
     for rec in m.tensors.values():
         itemsize = torch.empty((), dtype=getattr(torch, rec.dtype)).element_size()
         for part in rec.parts:
-            if rec.encoding == "rows":
+            if rec.encoding.name == "rows":
                 total += part.changed * (int(torch.tensor(part.shape[1:]).prod()) * itemsize + 8)
             else:
                 ce = part.chunk_shape[0]

@@ -37,8 +37,8 @@ import xxhash
 
 from deltackpt import Shard
 from deltackpt.format import dtypes
-from deltackpt.format.encodings import Encoding, chunk_shape, dense_chunk_elems
-from deltackpt.format.layout import chunk_key, pack_name
+from deltackpt.format.encodings import FULL, choose, dense_chunk_elems
+from deltackpt.format.layout import pack_name
 from deltackpt.format.limits import BLOSC_HEADER
 from deltackpt.format.manifest import ChunkMap, Manifest
 from deltackpt.format.zarr_meta import array_doc
@@ -158,24 +158,15 @@ def written(save: SavePlan, rank: int, items: tuple[WriteItem, ...], held: Mappi
     for it in items:
         t, box = it.tensor, it.part.box
         n = held[(it.key, it.part.path)]
-        enc = Encoding.of(save.kind, tuple(t.shape))
-        cs = chunk_shape(enc, box.shape, t.element_size(), n, *sizes)
-        row_bytes = math.prod(box.shape[1:]) * t.element_size()
-        coded = dtypes.compresses(t.dtype)
+        enc = choose(save.kind, tuple(t.shape), False)
+        cs = enc.chunk_shape(box.shape, t.element_size(), n, sizes, None)
+        names = [(a.chunk(i), _stored(a.chunk_bytes, a.coded))
+                 for a in enc.arrays(t.dtype, box.shape, cs, n) for i in range(n if enc.sparse else a.chunks)]
         chunks: ChunkMap = {}
-        if enc == Encoding.FULL:
-            rows, cr = (box.shape[0] if box.shape else 1), (cs[0] if cs else 1)
-            for i in range(-(-rows // cr) if t.numel() else 0):
-                chunks[chunk_key(i, t.dim())] = (_stored(cr * row_bytes, coded),
-                                                 _stand_in(it.key, it.part.path, i))
-        else:
-            if enc == Encoding.ROWS:
-                names = [(f"ids/{chunk_key(i, 1)}", _stored(cs[0] * 8, True)) for i in range(-(-n // cs[0]))]
-                names += [(f"rows/{chunk_key(i, t.dim())}", _stored(cs[0] * row_bytes, coded))
-                          for i in range(-(-n // cs[0]))]
+        for i, (name, size) in enumerate(names):
+            if enc.whole:
+                chunks[name] = (size, _stand_in(it.key, it.part.path, i))
             else:
-                names = [(chunk_key(i, 1), _stored(cs[0] * t.element_size(), coded)) for i in range(n)]
-            for name, size in names:
                 chunks[name] = (size, _stand_in(it.key, it.part.path, name), pack_size)
                 pack_size += size
         files[(it.key, it.part.path)] = chunks
@@ -183,8 +174,8 @@ def written(save: SavePlan, rank: int, items: tuple[WriteItem, ...], held: Mappi
         for tp in plan.tensors.values():
             dtype = dtypes.from_name(tp.dtype)
             for p in tp.parts:
-                cs = chunk_shape(Encoding.FULL, p.box.shape, dtype.itemsize,
-                                 p.box.shape[0] if p.box.shape else 1, *sizes)
+                cs = FULL.chunk_shape(p.box.shape, dtype.itemsize, p.box.shape[0] if p.box.shape else 1, sizes,
+                                      None)
                 files.setdefault((tp.key, p.path), {})["zarr.json"] = _doc_entry(p.box.shape, cs, dtype)
     packs: dict[str, ChunkMap] = {}
     if pack_size:

@@ -113,7 +113,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     for key, rec in m.tensors.items():
         loss = "exact" if rec.lossy is None else (
             f"{rec.lossy.scheme or 'lossy'}, bound {rec.lossy.bound:.3g}, chain bound {rec.lossy.chain_bound:.3g}")
-        print(f"{key:<40} {rec.dtype:<9} {str(list(rec.shape)):<18} {rec.encoding:<8} "
+        print(f"{key:<40} {rec.dtype:<9} {str(list(rec.shape)):<18} {rec.encoding.name:<8} "
               f"{rec.changed:>9} {fmt_bytes(rec.nbytes_written):>11}  {loss}")
         if args.chunks:
             for part in rec.parts:

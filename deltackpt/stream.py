@@ -14,18 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import Executor
-from functools import partial
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import statetree
-from .errors import IntegrityError, MissingChunkError, StepNotFoundError, StreamGapError
+from .errors import MissingChunkError, StepNotFoundError, StreamGapError
 from .format import dtypes
-from .format.layout import chunk_key
 from .format.manifest import Manifest, PartRecord, TensorRecord
-from .io.partial import quantized_rows
 from .io.reader import ChainReader
 from .io.staging import StagingPool
 from .store import Store
@@ -105,49 +102,8 @@ class _StepReader(ChainReader):
         return tuple(out)
 
     def _part(self, m: Manifest, key: str, rec: TensorRecord, part: PartRecord) -> TensorDelta:
-        dtype = dtypes.from_name(rec.dtype)
-        size = torch.empty((), dtype=dtype).element_size()
-        if rec.encoding in ("rows", "qrows"):
-            ids = self._read_ids(m, key, part)
-            cr = part.chunk_shape[0]
-            row = torch.Size(part.shape[1:]).numel() * size
-            values = torch.empty((ids.numel(), *part.shape[1:]), dtype=dtype)
-            decode = quantized_rows(m, key, rec, part, dtype) if rec.encoding == "qrows" else None
-
-            def rows(j: int, buf: torch.Tensor) -> None:
-                n = min(cr, ids.numel() - j * cr)
-                if decode is not None:  # a lossy delta: the rows as a restore decodes them
-                    got = decode(buf, torch.arange(n)).view(n, *part.shape[1:])
-                else:
-                    got = buf[: cr * row].view(dtype).view(cr, *part.shape[1:])[:n]
-                values[j * cr : j * cr + n] = got
-
-            self._run([partial(self._staged, m, key, part, name, torch.uint8 if decode else dtype, nbytes,
-                               partial(rows, j), uncoded=decode is not None)
-                       for j in range(-(-ids.numel() // cr))
-                       for name, nbytes in [(f"qrows/{chunk_key(j, 2)}", cr * part.chunk_shape[-1]) if decode
-                                            else (f"rows/{chunk_key(j, len(rec.shape))}", cr * row)]])
-            return TensorDelta(key, ids, values, tuple(part.offset[1:]))
-        # "chunks": changed dense chunks of a 0-d or 1-d tensor, as element ids and values.
-        (ce,) = part.chunk_shape
-        start = part.offset[0] if part.offset else 0
-        total = part.box.numel
-        pieces: dict[int, torch.Tensor] = {}
-
-        def keep(k: int, n: int, buf: torch.Tensor) -> None:
-            pieces[k] = buf[: ce * size].view(dtype)[:n].clone()
-
-        for name in part.chunks:
-            k = int(name[2:]) if name[:2] == "c." and name[2:].isdigit() else -1
-            if not 0 <= k * ce < max(total, 1):
-                raise IntegrityError(m.step, f"{key}/{name}", "chunk index out of range")
-            n = min(ce, total - k * ce)
-            self._staged(m, key, part, name, dtype, ce * size, partial(keep, k, n))
-        order = sorted(pieces)
-        ids = torch.cat([torch.arange(start + k * ce, start + k * ce + pieces[k].numel()) for k in order]) \
-            if order else torch.empty(0, dtype=torch.int64)
-        values = torch.cat([pieces[k] for k in order]) if order else torch.empty(0, dtype=dtype)
-        return TensorDelta(key, ids, values)
+        ids, values = rec.encoding.changes(self, m, key, rec, part)
+        return TensorDelta(key, ids, values, tuple(part.offset[1:]))
 
 
 def deltas(store: Store, pool: StagingPool, executor: Executor, since: int | None) -> Iterator[StepDelta]:

@@ -8,55 +8,50 @@ has exactly the bytes of its place in the grid, a coded one at most those plus b
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 from ..errors import ManifestError
 from . import dtypes
-from .layout import chunk_key
 from .limits import MAX_METADATA_BYTES, chunk_index, coded_size_fits
 
 if TYPE_CHECKING:
+    from .encodings import Array
     from .manifest import PartRecord, TensorRecord
+
+
+def _arrays(rec: TensorRecord, part: PartRecord) -> tuple[Array, ...]:
+    return rec.encoding.arrays(dtypes.from_name(rec.dtype), part.shape, part.chunk_shape, part.changed)
 
 
 def chunk_bytes(rec: TensorRecord, part: PartRecord, name: str) -> tuple[int, bool]:
     """The bytes chunk ``name`` of a part decodes to (its rows or elements, padded as stored),
     and whether it is coded (blosc) rather than raw. ``name`` is a chunk of the part's grid."""
-    dtype = dtypes.from_name(rec.dtype)
-    itemsize = dtype.itemsize
-    coded = dtypes.compresses(dtype)
-    if rec.encoding == "chunks":
-        return part.chunk_shape[0] * itemsize, coded
-    if not part.shape:
-        return itemsize, coded
-    rows = part.chunk_shape[0]
-    if name.startswith("ids/"):
-        return rows * 8, True  # int64 row ids, coded like every integer array
-    if rec.encoding == "qrows":
-        return rows * part.chunk_shape[1], False  # raw uint8 rows of chunk_shape[1] bytes
-    return rows * math.prod(part.shape[1:]) * itemsize, coded
+    folder = name.rsplit("/", 1)[0] if "/" in name else ""
+    array = {a.name: a for a in _arrays(rec, part)}.get(folder)
+    if array is None:
+        raise ManifestError(f"chunk {name!r:.60} is in none of the part's arrays")
+    return array.chunk_bytes, array.coded
 
 
 def check_chunks(rec: TensorRecord, part: PartRecord, where: str) -> None:
-    """The part's chunks are the ones its grid needs, each of a size that fits its bytes."""
-    ndim = len(part.shape)
-    if rec.encoding in ("full", "rows") and part.chunk_shape[1:] != part.shape[1:]:
+    """The part's chunks are the ones its grid needs, each of a size that fits its bytes: every
+    chunk of each of its arrays, or for a sparse encoding any chunks of its grid."""
+    arrays = _arrays(rec, part)
+    if any(a.chunk_shape[1:] != a.shape[1:] for a in arrays):
         raise ManifestError(f"{where}: chunk_shape {list(part.chunk_shape)} must span the part's "
                             f"other dimensions {list(part.shape[1:])}")
     names = set(part.chunks) - {"zarr.json"}
-    if rec.encoding == "full":
-        n = -(-part.shape[0] // part.chunk_shape[0]) if ndim and math.prod(part.shape) else int(not ndim)
-        want = {chunk_key(i, ndim) for i in range(min(n, len(names) + 1))}
-    elif rec.encoding in ("rows", "qrows"):
-        n = -(-part.changed // part.chunk_shape[0])
-        rows = ("rows", ndim) if rec.encoding == "rows" else ("qrows", 2)
-        want = {f"{a}/{chunk_key(i, d)}" for i in range(min(n, len(names) + 1))
-                for a, d in (("ids", 1), rows)}
+    n = arrays[-1].chunks
+    if rec.encoding.sparse:
+        want = {name for name in names if any(
+            a.chunk(k) == name for a in arrays if (k := chunk_index(name.rsplit("/", 1)[-1], len(a.shape)))
+            is not None and k < a.chunks)}
+        complete = True
     else:
-        n = -(-max(1, math.prod(part.shape)) // part.chunk_shape[0])
-        want = {name for name in names if (k := chunk_index(name, 1)) is not None and k < n}
-    if names != want or (rec.encoding != "chunks" and len(want) != n * (1 + (rec.encoding != "full"))):
+        # Never more names than listed plus one per array: a record's grid may be huge.
+        want = {a.chunk(i) for a in arrays for i in range(min(a.chunks, len(names) + 1))}
+        complete = len(want) == sum(a.chunks for a in arrays)
+    if names != want or not complete:
         bad = sorted(names - want) or sorted(want - names) or ["(more chunks than listed)"]
         raise ManifestError(f"{where}: chunk {bad[0]!r:.60} is not one of the part's grid "
                             f"({n} chunk(s) of {list(part.chunk_shape)} for {list(part.shape)})")

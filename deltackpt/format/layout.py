@@ -13,6 +13,10 @@ ROOT/writer.lease                     who may commit steps (see deltackpt.ops.le
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .manifest import Manifest, PartRecord
 
 COMMITS = "commits"
 BASES = "bases"
@@ -45,3 +49,12 @@ def part_folder(key: str, path: str) -> str:
 def pack_name(rank: int) -> str:
     """The pack holding the chunks rank ``rank`` writes for a delta."""
     return f"pack.{rank}"
+
+
+def chunk_path(m: Manifest, key: str, part: PartRecord, name: str) -> str:
+    """Where a chunk is: its file, or for a chunk in a pack, its name and place in the pack."""
+    path = f"{STEPS}/{m.attempt}/{part_folder(key, part.path)}/{name}"
+    entry = part.chunks.get(name)
+    if part.pack is not None and entry is not None and len(entry) == 3:
+        return f"{path} (in {part.pack} at byte {entry[2]})"
+    return path

@@ -18,7 +18,8 @@ from ..collector import paused
 from ..errors import ManifestError, StateError
 from ..quantization import QuantizationError, Rowwise
 from ..sharding import Box, check_tiling
-from . import dtypes
+from . import dtypes, encodings
+from .encodings import Encoding
 from .grid import check_chunks, check_pack
 from .limits import MAX_DEPTH, MAX_STEP, key_problem, unique_keys
 from .lossy import Lossy
@@ -27,7 +28,6 @@ FORMAT = 2
 LOSSY_FORMAT = 3  # format 2 plus quantized deltas: written only by a checkpointer with quantize=
 FORMATS = (FORMAT, LOSSY_FORMAT)
 KINDS = ("base", "delta")
-ENCODINGS = ("full", "rows", "chunks", "qrows")
 
 
 # A chunk's [size, xxh3-64 hex], and for a chunk in a pack, its byte offset there.
@@ -82,10 +82,11 @@ class TensorRecord:
     Attributes:
         dtype: torch dtype name (``"bfloat16"``).
         shape: global shape.
-        encoding: ``"full"`` (each part whole, one zarr array chunked by rows), ``"rows"``
-            (per part, arrays ``ids`` and ``rows``: sorted global row ids and those rows,
-            restricted to the part's columns) or ``"chunks"`` (per part, a flat zarr array of
-            which only the changed chunks were written).
+        encoding: how the parts are stored (see :mod:`deltackpt.format.encodings`): ``full``
+            (each part whole, one zarr array chunked by rows), ``rows`` (per part, arrays
+            ``ids`` and ``rows``: sorted global row ids and those rows, restricted to the part's
+            columns), ``qrows`` (the same, rows quantized) or ``chunks`` (per part, a flat zarr
+            array of which only the changed chunks were written).
         parts: the parts, sorted by offset; a base's parts tile the tensor.
         lossy: for a tensor whose restored values may differ from the saved ones (quantized in
             this step or earlier in the chain), the scheme and bounds; None when exact.
@@ -93,7 +94,7 @@ class TensorRecord:
 
     dtype: str
     shape: tuple[int, ...]
-    encoding: str
+    encoding: Encoding
     parts: tuple[PartRecord, ...]
     lossy: Lossy | None = None
 
@@ -107,7 +108,7 @@ class TensorRecord:
 
     def to_doc(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape),
-                               "encoding": self.encoding, "parts": [p.to_doc() for p in self.parts]}
+                               "encoding": self.encoding.name, "parts": [p.to_doc() for p in self.parts]}
         if self.lossy is not None:
             doc["lossy"] = self.lossy.to_doc()
         return doc
@@ -328,7 +329,7 @@ def _check_quantize(doc: dict[str, Any] | None, tensors: dict[str, TensorRecord]
             raise ManifestError(f"{where}: field 'quantize' has a bad entry for {key!r:.80}")
 
 
-def _parse_lossy(doc: Any, encoding: str, where: str) -> Lossy:
+def _parse_lossy(doc: Any, encoding: Encoding, where: str) -> Lossy:
     if not isinstance(doc, dict):
         raise ManifestError(f"{where}: field 'lossy' must be a JSON object")
     scheme = _field(doc, "scheme", (str, type(None)), where)
@@ -338,7 +339,7 @@ def _parse_lossy(doc: Any, encoding: str, where: str) -> Lossy:
         if not (math.isfinite(v) and v >= 0):
             raise ManifestError(f"{where}: field {name!r} has a bad value {v!r}")
         bounds.append(float(v))
-    if (scheme is not None) != (encoding == "qrows") or bounds[0] > bounds[1]:
+    if (scheme is not None) != encoding.quantized or bounds[0] > bounds[1]:
         raise ManifestError(f"{where}: lossy scheme {scheme!r:.40} with encoding {encoding!r}, bound "
                             f"{bounds[0]} and chain bound {bounds[1]} disagree")
     if scheme is not None:
@@ -355,9 +356,7 @@ def _parse_tensor(rec: Any, packs: dict[str, ChunkMap], fmt: int, where: str) ->
     shape = _dims(rec, "shape", where)
     if math.prod(shape) >= 2**62:
         raise ManifestError(f"{where}: shape {shape} is too large")
-    encoding = _field(rec, "encoding", str, where)
-    if encoding not in ENCODINGS:
-        raise ManifestError(f"{where}: field 'encoding' must be one of {ENCODINGS}, got {encoding!r}")
+    encoding = encodings.get(_field(rec, "encoding", str, where), where)
     dtype = _field(rec, "dtype", str, where)
     if dtype not in dtypes.NAMES:
         raise ManifestError(f"{where}: unknown dtype {dtype!r:.40}")
@@ -367,7 +366,7 @@ def _parse_tensor(rec: Any, packs: dict[str, ChunkMap], fmt: int, where: str) ->
     )
     if len({p.path for p in parts}) != len(parts) or ("" in {p.path for p in parts} and len(parts) > 1):
         raise ManifestError(f"{where}: part paths must be distinct, and '' only for a single part")
-    if encoding == "full":
+    if encoding.whole:
         try:
             check_tiling(where, tuple(shape), [p.box for p in parts])
         except StateError as e:
@@ -375,8 +374,9 @@ def _parse_tensor(rec: Any, packs: dict[str, ChunkMap], fmt: int, where: str) ->
     lossy = None
     if fmt == LOSSY_FORMAT and rec.get("lossy") is not None:
         lossy = _parse_lossy(rec["lossy"], encoding, where)
-    if encoding == "qrows" and (lossy is None or dtype not in ("float32", "bfloat16", "float16")):
-        raise ManifestError(f"{where}: encoding 'qrows' needs a 'lossy' record and a float dtype")
+    why = encoding.record_problem(dtype, lossy)
+    if why is not None:
+        raise ManifestError(f"{where}: {why}")
     tensor = TensorRecord(dtype=dtype, shape=tuple(shape), encoding=encoding, parts=parts, lossy=lossy)
     for i, part in enumerate(parts):
         check_chunks(tensor, part, f"{where} part {i}")
@@ -392,7 +392,7 @@ def _dims(doc: dict[str, Any], name: str, where: str) -> tuple[int, ...]:
     return tuple(dims)
 
 
-def _parse_part(rec: Any, shape: tuple[int, ...], encoding: str,
+def _parse_part(rec: Any, shape: tuple[int, ...], encoding: Encoding,
                 packs: dict[str, ChunkMap], where: str) -> PartRecord:
     if not isinstance(rec, dict):
         raise ManifestError(f"{where}: must be a JSON object")
@@ -406,13 +406,7 @@ def _parse_part(rec: Any, shape: tuple[int, ...], encoding: str,
     ):
         raise ManifestError(f"{where}: box at {list(offset)} of {list(pshape)} is outside {list(shape)}")
     changed = _count(rec, "changed", where)
-    fits = {
-        "full": len(chunk_shape) == len(pshape),
-        "rows": len(chunk_shape) == len(pshape) >= 1 and changed <= pshape[0],
-        "qrows": len(chunk_shape) == 2 and len(pshape) >= 2 and changed <= pshape[0],
-        "chunks": len(chunk_shape) == 1,
-    }[encoding]
-    if not fits or any(d < 1 for d in chunk_shape):
+    if not encoding.fits(chunk_shape, pshape, changed) or any(d < 1 for d in chunk_shape):
         raise ManifestError(f"{where}: chunk_shape {list(chunk_shape)} does not fit shape "
                             f"{list(pshape)} and encoding {encoding!r}")
     pack = _field(rec, "pack", (str, type(None)), where)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -84,3 +85,13 @@ class SpanCover:
         hi = max([stop] + [b for a, b in self._spans if not (b < start or a > stop)])
         self._spans = sorted(merged + [(lo, hi)])
         return free
+
+
+@dataclass(frozen=True)
+class Covers:
+    """What newer deltas wrote, for one replay into one box: rows (None for a 0-d box) and
+    element spans; a delta's encoding claims from the one it needs (see
+    :attr:`deltackpt.format.encodings.Encoding.claims`)."""
+
+    rows: RowCover | None
+    spans: SpanCover

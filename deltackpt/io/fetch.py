@@ -11,18 +11,9 @@ import torch
 import xxhash
 
 from ..errors import IntegrityError, MissingChunkError
-from ..format.layout import STEPS, chunk_key, part_folder
+from ..format.layout import STEPS, chunk_key, chunk_path
 from ..format.manifest import Entry, Manifest, PartRecord
 from ..storage import Storage
-
-
-def chunk_path(m: Manifest, key: str, part: PartRecord, name: str) -> str:
-    """Where a chunk is: its file, or for a chunk in a pack, its name and place in the pack."""
-    path = f"{STEPS}/{m.attempt}/{part_folder(key, part.path)}/{name}"
-    entry = part.chunks.get(name)
-    if part.pack is not None and entry is not None and len(entry) == 3:
-        return f"{path} (in {part.pack} at byte {entry[2]})"
-    return path
 
 
 def _pack_files(m: Manifest, pack: str, at: int, size: int) -> list[tuple[str, int, int]]:

@@ -9,18 +9,14 @@ few rows of a large table costs a few chunks per record of the chain, not the ta
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable, Sequence
-from functools import partial
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
 
 from ..errors import IntegrityError, KeyMismatchError, StateError
 from ..format import dtypes
-from ..format.layout import chunk_key
-from ..format.manifest import Manifest, PartRecord, TensorRecord
-from ..kernels import rowwise
-from ..quantization import Rowwise
+from ..format.manifest import TensorRecord
 from .reader import ChainReader, Job
 
 
@@ -103,8 +99,8 @@ class RowReader(ChainReader):
                 a = int(torch.searchsorted(uniq, part.offset[0]))
                 b = int(torch.searchsorted(uniq, part.offset[0] + part.shape[0]))
                 if a < b:
-                    jobs += self._part_jobs(m, key, r, part, uniq, a, dest)
-            self._run(jobs)
+                    jobs += r.encoding.read_rows(self, m, key, r, part, uniq[a:b], a, dest)
+            self.run(jobs)
         return dest[inverse] if uniq.numel() != ids.numel() or not torch.equal(uniq, ids) else dest
 
     def _record(self, key: str) -> TensorRecord:
@@ -112,71 +108,3 @@ class RowReader(ChainReader):
         if rec is None:
             raise KeyMismatchError([], [key])
         return rec
-
-    def _part_jobs(self, m: Manifest, key: str, rec: TensorRecord, part: PartRecord,
-                   uniq: torch.Tensor, a: int, dest: torch.Tensor) -> list[Job]:
-        """Jobs copying the requested rows ``uniq[a:]`` that lie in ``part`` into ``dest``."""
-        p0, pn = part.offset[0], part.shape[0]
-        b = int(torch.searchsorted(uniq, p0 + pn))
-        local = uniq[a:b] - p0  # requested rows within the part, sorted
-        cols = tuple(slice(o, o + n) for o, n in zip(part.offset[1:], part.shape[1:]))
-        rest = part.shape[1:]
-        row_bytes = int(np.prod(rest, dtype=np.int64)) * dest.element_size()
-        dim = len(rec.shape)
-        decode = None
-        if rec.encoding in ("rows", "qrows"):
-            stored = self._ids_of(m, key, part)
-            at = torch.searchsorted(stored, local + p0)
-            hit = at < stored.numel()
-            hit[hit.clone()] = stored[at[hit]] == local[hit] + p0
-            where = torch.nonzero(hit).flatten() + a  # positions in dest
-            at = at[hit]  # positions in the delta's rows
-            folder, size = "rows/", part.chunk_shape[0]
-            if rec.encoding == "qrows":
-                folder, dim, decode = "qrows/", 2, quantized_rows(m, key, rec, part, dest.dtype)
-        else:  # "full" (rows by chunk) and "chunks" (a 1-d tensor's elements by chunk)
-            where, at = torch.arange(a, b), local
-            folder, size = "", part.chunk_shape[0]
-            if rec.encoding == "chunks":
-                dim, row_bytes = 1, dest.element_size()
-        groups = at // size
-        jobs: list[Job] = []
-        for g in torch.unique(groups).tolist():
-            name = f"{folder}{chunk_key(g, dim)}"
-            if rec.encoding == "chunks" and name not in part.chunks:
-                continue  # a dense chunk this delta did not change
-            sel = groups == g
-
-            def copy(buf: torch.Tensor, src=at[sel] - g * size, dst=where[sel]) -> None:
-                if decode is not None:
-                    dest[(dst, *cols)] = decode(buf, src).view(len(src), *rest)
-                    return
-                rows = buf[: size * row_bytes].view(dest.dtype).view(size, *rest)
-                dest[(dst, *cols)] = rows[src]
-
-            nbytes = size * (part.chunk_shape[1] if decode is not None else row_bytes)
-            jobs.append(partial(self._staged, m, key, part, name, torch.uint8 if decode else dest.dtype,
-                                nbytes, copy, uncoded=decode is not None))
-        return jobs
-
-
-def quantized_rows(m: Manifest, key: str, rec: TensorRecord, part: PartRecord,
-                   dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """For a ``qrows`` part: a function decoding rows ``at`` (positions within one chunk) of a
-    chunk's bytes to ``dtype``, flat per row.
-
-    Raises:
-        IntegrityError: the part's row width does not fit its quantization scheme.
-    """
-    rule = Rowwise.from_scheme(rec.lossy.scheme if rec.lossy else None)
-    cr, qbytes = part.chunk_shape
-    width = int(np.prod(part.shape[1:], dtype=np.int64))
-    if qbytes != rowwise.row_bytes(width, rule.bits, rule.scale_dtype):
-        raise IntegrityError(m.step, f"{key} part {part.path!r}",
-                             f"quantized rows of {qbytes} B do not fit {width} elements at {rule.scheme}")
-
-    def decode(buf: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-        packed = buf[: cr * qbytes].view(cr, qbytes)[at]
-        return rowwise.dequantize_rows(packed, rule.bits, width, dtype, scale_dtype=rule.scale_dtype)
-
-    return decode

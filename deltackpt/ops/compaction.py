@@ -27,7 +27,7 @@ import torch
 from ..collectives import Collective
 from ..errors import StepNotFoundError
 from ..format import dtypes
-from ..format.encodings import chunk_shape
+from ..format.encodings import FULL, write_block
 from ..format.layout import STEPS
 from ..format.lossy import Lossy
 from ..format.manifest import (
@@ -93,7 +93,8 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
         for key, rec in chain[-1].tensors.items():
             dt = dtypes.from_name(rec.dtype)
             cs = _chunks(rec, sizes)
-            writer.array(key, "", rec.shape, cs, dt)
+            for a in FULL.arrays(dt, rec.shape, cs, 0):
+                writer.array(key, a.name, a.shape, a.chunk_shape, a.dtype, raw=not a.coded)
             rows = rec.shape[0] if rec.shape else 1
             if math.prod(rec.shape):
                 cr = cs[0] if cs else 1
@@ -127,7 +128,7 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
             block = buf.view(dt).view(box.shape)
             reader.read(key, block, box)
             cs = _chunks(rec, sizes)
-            writer.full(key, "", block, cs, first_chunk=lo // cs[0] if cs else 0,
+            write_block(writer, key, "", block, cs, first_chunk=lo // cs[0] if cs else 0,
                         release=partial(blocks.release, buf))
         try:
             return writer.finish()
@@ -147,7 +148,7 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
                               rec.shape[0] if rec.shape else 1, files.get((key, ""), {}))
             # A chain with quantized rows decodes to a base with their loss: marked, never exact.
             lossy = None if rec.lossy is None else Lossy(None, rec.lossy.chain_bound, rec.lossy.chain_bound)
-            tensors[key] = TensorRecord(rec.dtype, rec.shape, "full", (part,), lossy)
+            tensors[key] = TensorRecord(rec.dtype, rec.shape, FULL, (part,), lossy)
         base = Manifest(
             step=m.step, kind="base", attempt=work.attempt, parent=None, parent_attempt=None,
             base=m.step, chain_length=0, world_size=m.world_size, created=time.time(),
@@ -171,5 +172,5 @@ def _itemsize(rec: TensorRecord) -> int:
 
 
 def _chunks(rec: TensorRecord, sizes: tuple[int, int]) -> tuple[int, ...]:
-    return chunk_shape("full", rec.shape, _itemsize(rec), 0, *sizes)
+    return FULL.chunk_shape(rec.shape, _itemsize(rec), 0, sizes, None)
 

@@ -16,12 +16,11 @@ import torch
 
 from ..errors import BrokenChainError, DeltackptError, IntegrityError, MissingChunkError
 from ..format.grid import chunk_bytes
-from ..format.layout import STEPS
+from ..format.layout import STEPS, chunk_path
 from ..format.limits import coded_problem
 from ..format.manifest import Manifest, PartRecord, TensorRecord
-from ..io.fetch import chunk_path, fetch, fetch_file_in_pieces, file_size, stored_size
+from ..io.fetch import fetch, fetch_file_in_pieces, file_size, stored_size
 from ..io.staging import StagingPool
-from ..quantization import Rowwise
 from ..storage import Storage
 from ..store import Store
 
@@ -98,29 +97,6 @@ def verify(
     return report
 
 
-def _read_qrows(read: Callable[[torch.Tensor], None], m: Manifest, key: str, rec: TensorRecord,
-                part: PartRecord, name: str, buf: torch.Tensor) -> None:
-    """Reads a chunk of quantized rows and checks that the record's bound covers every row:
-    half a row's scale is the least its bound can be, and scales and biases must be finite."""
-    read(buf)
-    rule = Rowwise.from_scheme(rec.lossy.scheme if rec.lossy else None)
-    cr, qbytes = part.chunk_shape
-    j = int(name.rsplit(".", 2)[-2]) if name.count(".") >= 2 else -1
-    count = min(part.changed, (j + 1) * cr) - j * cr
-    if j < 0 or count <= 0 or buf.numel() != cr * qbytes:
-        raise IntegrityError(m.step, chunk_path(m, key, part, name), "not a chunk of the part's rows")
-    size = rule.scale_dtype.itemsize
-    tail = buf.view(cr, qbytes)[:count, qbytes - 2 * size :].reshape(-1).clone().view(rule.scale_dtype)
-    scales, biases = tail[0::2].float(), tail[1::2].float()
-    if not bool(torch.isfinite(tail).all()) or bool((scales < 0).any()):
-        raise IntegrityError(m.step, chunk_path(m, key, part, name), "a row's scale or bias is not finite")
-    need = float(scales.max()) / 2 if count else 0.0
-    if rec.lossy is None or need > rec.lossy.bound * (1 + 2.0**-20):
-        raise IntegrityError(m.step, chunk_path(m, key, part, name),
-                             f"a row's scale needs a bound of at least {need:.6g}, the record says "
-                             f"{rec.lossy.bound if rec.lossy else None}")
-
-
 def _check_bounds(chain: list[Manifest]) -> list[Problem]:
     """Each lossy tensor's chain bound covers its parent's: the loss a chain carries only grows."""
     problems = []
@@ -169,12 +145,9 @@ def _check_step(store: Store, m: Manifest, pool: StagingPool, executor: Executor
     for key, rec in m.tensors.items():
         for part in rec.parts:
             for name, chunk in part.chunks.items():
-                read: Callable[[torch.Tensor], None] = partial(
-                    _fetch_decodable, storage, m, key, rec, part, name)
-                if rec.encoding == "qrows" and name.startswith("qrows/"):
-                    read = partial(_read_qrows, read, m, key, rec, part, name)
                 jobs.append((chunk[0], chunk_path(m, key, part, name),
-                             partial(stored_size, storage, m, key, part, name), read, False))
+                             partial(stored_size, storage, m, key, part, name),
+                             partial(_fetch_decodable, storage, m, key, rec, part, name), False))
     futures = []
     for size, path, sizer, read, pieces in jobs:
         report.chunks += 1
@@ -187,12 +160,14 @@ def _check_step(store: Store, m: Manifest, pool: StagingPool, executor: Executor
 def _fetch_decodable(storage: Storage, m: Manifest, key: str, rec: TensorRecord, part: PartRecord, name: str,
                      into: torch.Tensor) -> None:
     """Reads and checks a chunk as :func:`fetch` does; a coded one must also announce the
-    decoded size that its place in the grid holds (restore refuses it otherwise)."""
+    decoded size that its place in the grid holds (restore refuses it otherwise), and the
+    chunk must pass its encoding's own checks."""
     fetch(storage, m, key, part, name, into)
     if name == "zarr.json":
         return
     decoded, coded = chunk_bytes(rec, part, name)
     why = coded_problem(into.numpy(), decoded) if coded else None
+    why = why or rec.encoding.verify_chunk(rec, part, name, into)
     if why is not None:
         raise IntegrityError(m.step, chunk_path(m, key, part, name), why)
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..collector import paused
 from ..errors import StateError, StepExistsError, WriterConflictError
-from ..format.encodings import Encoding
+from ..format.encodings import choose
 from ..format.layout import commit_key, pack_name
 from ..format.lossy import Lossy
 from ..format.manifest import (
@@ -24,7 +24,7 @@ from ..ops.lease import Holding
 from ..ops.lease import read as read_lease
 from ..store import Store
 from ..quantization import Rowwise
-from .decide import itemsize, part_chunk_shape, tensor_bytes
+from .decide import itemsize, tensor_bytes
 from .planner import GlobalPlan
 from .types import Kind, SavePlan, WriteResult
 
@@ -51,11 +51,10 @@ def build_manifest(save: SavePlan, plan: GlobalPlan, changed: Mapping[tuple[str,
     tensors = {}
     for t in plan.tensors.values():
         rule = save.quantize[t.key].rule if t.key in save.quantize else None
-        enc = Encoding.of(kind, t.global_shape, rule is not None)
+        enc = choose(kind, t.global_shape, rule is not None)
         parts = tuple(
             PartRecord(p.box.offset, p.box.shape, p.path,
-                       part_chunk_shape(enc, p.box.shape, itemsize(t.dtype), changed[(t.key, p.path)],
-                                        sizes, rule),
+                       enc.chunk_shape(p.box.shape, itemsize(t.dtype), changed[(t.key, p.path)], sizes, rule),
                        changed[(t.key, p.path)], files.get((t.key, p.path), {}),
                        pack_name(p.writer) if kind == Kind.DELTA and changed[(t.key, p.path)] else None)
             for p in t.parts

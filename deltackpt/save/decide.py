@@ -8,12 +8,10 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from ..format import dtypes
-from ..format.encodings import Encoding, chunk_shape, qrows_chunk_shape
 from ..format.manifest import Manifest
-from ..kernels import rowwise
 from ..ops.lease import Holding
 from ..policy import BasePolicy, ChainState
-from ..quantization import Choice, Rowwise
+from ..quantization import Choice
 from ..store import Store
 from .planner import GlobalPlan, PartPlan, TensorPlan
 from .scan import PartScan
@@ -58,15 +56,6 @@ def counts(kind: Kind, parts: Iterable[tuple[str, PartPlan]], scans: Iterable[Pa
 
 def itemsize(dtype_name: str) -> int:
     return torch.empty((), dtype=dtypes.from_name(dtype_name)).element_size()
-
-
-def part_chunk_shape(enc: Encoding, shape: tuple[int, ...], itemsize: int, changed: int,
-                     sizes: tuple[int, int], rule: Rowwise | None) -> tuple[int, ...]:
-    """The chunk shape of a part's array (for ``qrows``, of its quantized rows)."""
-    if enc == Encoding.QROWS and rule is not None:
-        qbytes = rowwise.row_bytes(math.prod(shape[1:]), rule.bits, rule.scale_dtype)
-        return qrows_chunk_shape(changed, qbytes, sizes[0])
-    return chunk_shape(enc, shape, itemsize, changed, *sizes)
 
 
 def tensor_bytes(t: TensorPlan) -> int:

@@ -101,7 +101,7 @@ class Saver:
         held = counts(save.kind, ((it.key, it.part) for it in items), mine)
         try:
             _, staged = self._coll.gather("stage", lambda: (None, stage(
-                writers, self._pool, save, items, changes, held, self._sizes, plan=plan)),
+                writers, save, items, changes, held, self._sizes, plan=plan)),
                 lambda _: None, then_phase="stage")
         except BaseException:
             for w in writers:  # another rank failed: end the writes staged here

@@ -58,7 +58,7 @@ def delta_rows(path: str) -> dict[int, dict[str, list[int]]]:
                 continue
             reader = ChainReader(ckpt.store.storage, chain, ckpt._pool, ckpt._executor)
             out[step] = {key: sorted(i for p in rec.parts if p.changed
-                                     for i in reader._read_ids(m, key, p).tolist())
+                                     for i in reader.ids(m, key, p).tolist())
                          for key, rec in m.tensors.items() if len(rec.shape) >= 2}
     return out
 

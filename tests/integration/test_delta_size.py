@@ -54,7 +54,7 @@ def test_a_delta_pads_less_than_one_block_per_chunk(store_path):
         t = state[key]
         for part in rec.parts:
             chunks += len(part.chunks)
-            if rec.encoding == "rows":
+            if rec.encoding.name == "rows":
                 payload += part.changed * (t[0].numel() * t.element_size() + 8)
             else:
                 ce = part.chunk_shape[0]

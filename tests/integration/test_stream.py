@@ -126,7 +126,7 @@ def test_quantized_deltas_stream_and_partial_loads_as_load_decodes_them(tmp_path
             table[torch.randint(0, 400, (30,))] += 0.5
             ckpt.save(step, {"t": table, "n": step})
             live.follow(ckpt)
-        assert ckpt.store.manifest(4).tensors["t"].encoding == "qrows"
+        assert ckpt.store.manifest(4).tensors["t"].encoding.name == "qrows"
         ids = torch.tensor([399, 3, 3, 250])
         assert same_bits(ckpt.load(4, key="t", rows=ids), ckpt.load(4)["t"][ids])
     assert live.kinds == ["full", "delta", "delta", "delta"]

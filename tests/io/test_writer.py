@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import xxhash
 
-from deltackpt.format.encodings import Encoding, chunk_shape
+from deltackpt.format.encodings import FULL, get, write_block
 from deltackpt.format.zarr_meta import codec_for
 from deltackpt.io.staging import StagingPool
 from deltackpt.io.writer import StepWriter
@@ -19,11 +19,11 @@ from deltackpt.storage import MemoryStorage
 def test_whole_parts_go_to_padded_chunk_files_with_their_checksums():
     storage, pool = MemoryStorage(), StagingPool(4, 1024)
     t = torch.arange(30, dtype=torch.int32).reshape(10, 3)
-    cs = chunk_shape(Encoding.FULL, (10, 3), 4, 10, 48, 48)  # 48 B: 4 rows of 12 B a chunk
+    cs = FULL.chunk_shape((10, 3), 4, 10, (48, 48), None)  # 48 B: 4 rows of 12 B a chunk
     assert cs == (4, 3)
     with ThreadPoolExecutor(2) as ex:
         w = StepWriter(storage, "steps/1-a", pool, ex)
-        w.full("t", "", t, cs)
+        write_block(w, "t", "", t, cs)
         files = w.finish()[("t", "")]
     assert sorted(files) == ["c.0.0", "c.1.0", "c.2.0"]
     last = storage.read("steps/1-a/t/c.2.0")  # integers are blosc-lz4 coded
@@ -37,7 +37,7 @@ def test_a_pack_holds_chunks_back_to_back_with_their_offsets():
     t = torch.arange(40, dtype=torch.float32).reshape(10, 4)
     with ThreadPoolExecutor(2) as ex:
         w = StepWriter(storage, "steps/2-b", pool, ex, pack="pack.0")
-        w.rows("t", "", t, torch.tensor([1, 5, 6]), 0, 2)
+        get("rows").encode(w, "t", "", t, torch.tensor([1, 5, 6]), (2, 4))
         entries = w.finish()[("t", "")]
     pack = b"".join(storage.read(f"steps/2-b/pack.0/c.{i}") for i in range(len(w.packs["pack.0"]) - 1))
     size, digest, at = entries["rows/c.0.0"]
