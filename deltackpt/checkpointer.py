@@ -26,7 +26,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,17 +34,8 @@ from typing import Any, Literal, overload
 
 import torch
 
-from . import (
-    kernels,  # type: ignore[attr-defined]  # installed from kernels/, see pyproject
-    statetree,
-)
 from .collectives import Collective
-from .errors import (
-    KeyMismatchError,
-    StepNotFoundError,
-    StoreError,
-)
-from .io.reader import ChainReader
+from .errors import StepNotFoundError, StoreError
 from .io.staging import StagingPool
 from .ops.compaction import CompactInfo, compact
 from .ops.gc import GCReport, Retention, collect
@@ -54,7 +44,7 @@ from .ops.verify import VerifyReport, verify
 from .policy import BasePolicy, ChainState, EveryK
 from .quantization import QuantizePlan, Rule
 from .restore.load import read_step
-from .restore.planning import RestorePlan, fill, plan_restore
+from .restore.restorer import restore
 from .save.pending import Background, SaveHandle
 from .save.saver import Saver
 from .save.types import SaveInfo
@@ -62,7 +52,7 @@ from .storage import Storage, open_storage
 from .store import Store
 from .stream import StepDelta, deltas
 from .tracking.changes import ChangeTracker
-from .tracking.hashing import Hasher
+from .tracking.hashing import Hasher, warm_kernels
 from .tracking.rows import Canary, TrackHandle
 
 log = logging.getLogger(__name__)
@@ -154,7 +144,7 @@ class Checkpointer:
                             self._executor, self._sizes, self._quantize, take_over=take_over,
                             lease_ttl=lease_ttl)
         self._background = Background()
-        _warm_kernels()
+        warm_kernels()
 
     @property
     def rank(self) -> int:
@@ -288,24 +278,9 @@ class Checkpointer:
             CheckpointAborted: on several ranks, any rank's failure.
         """
         self.wait()
-        chain = self._coll.one("read_chain", lambda: self.store.chain(self._resolve(step)))
+        chain = restore(state, lambda: self.store.chain(self._resolve(step)), storage=self.store.storage,
+                        coll=self._coll, pool=self._pool, executor=self._executor, on_filled=self._tracker.reset)
         m = chain[-1]
-
-        def check() -> tuple[set[str], RestorePlan]:
-            plan = plan_restore(state, m, partial=self.world_size > 1)
-            return plan.covered, plan
-
-        covered, plan = self._coll.each("restore_plan", check)
-        if set().union(*covered) != set(m.tensors):
-            raise KeyMismatchError(sorted(set(m.tensors) - set().union(*covered)), [])
-
-        def read() -> None:
-            reader = ChainReader(self.store.storage, chain, self._pool, self._executor)
-            fill(plan, m, reader)
-            restored = statetree.flatten(state).tensors
-            self._tracker.reset({k: s.local.contiguous() for k, s in restored.items()})
-
-        self._coll.all("restore_read", read)
         self._quantize.restored(m.quantize)
         self._saver.restored(m, ChainState(m.chain_length, sum(c.bytes_written for c in chain[1:]),
                                            chain[0].bytes_written))
@@ -424,14 +399,3 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-_warming: list[threading.Thread] = []
-
-
-def _warm_kernels() -> None:
-    """Compiles the hash and mark kernels once per process, on a background thread, so the first
-    save does not wait for the compiler (it waits for this thread only if it is still running)."""
-    if not _warming:
-        _warming.append(threading.Thread(target=kernels.warm, name="deltackpt-warm", daemon=True))
-        _warming[0].start()

@@ -7,7 +7,6 @@ line naming the problem and exits with status 1 (2 for a bad command line), with
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -15,12 +14,10 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-import torch
-
 from .checkpointer import Checkpointer
 from .errors import DeltackptError, ManifestError
 from .ops.gc import GCReport, Retention
-from .sharding import Shard
+from .restore.files import write_step
 from .sizes import fmt_bytes
 from .storage import open_storage, storage_options
 from .store import Store
@@ -47,6 +44,14 @@ def _options(args: argparse.Namespace) -> dict[str, str]:
 def _print_json(doc: Any) -> None:
     json.dump(doc, sys.stdout, indent=2)
     sys.stdout.write("\n")
+
+
+def _report(args: argparse.Namespace, doc: Any, text: str) -> None:
+    """What a command did: ``doc`` as JSON with ``--json``, else ``text``."""
+    if args.json:
+        _print_json(doc)
+    else:
+        print(text)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -125,65 +130,11 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    if args.world_size is not None and args.world_size < 1:
-        raise DeltackptError(f"--world-size must be >= 1, got {args.world_size}")
-    out = os.path.abspath(args.out)
-    parent = os.path.dirname(out)
-    if not os.path.isdir(parent):
-        raise DeltackptError(f"--out: the folder {parent} does not exist")
-    if args.world_size is None and os.path.isdir(out):
-        raise DeltackptError(f"--out: {out} is a folder; name the file to write (or pass --world-size)")
-    written = []
     with Checkpointer(args.path, create=False, storage_options=_options(args)) as ckpt:
-        if args.keys:
-            _save_atomic(ckpt.load(args.step, keys=args.keys), out)
-            written.append(out)
-        elif args.world_size is None:
-            _save_atomic(ckpt.load(args.step), out)
-            written.append(out)
-        else:
-            os.makedirs(out, exist_ok=True)
-            for rank in range(args.world_size):
-                shards: dict[str, dict[str, list[int]]] = {}
-                state = _unshard(ckpt.load(args.step, row_shard=(rank, args.world_size)), "", shards)
-                doc = {"step": args.step, "rank": rank, "world_size": args.world_size,
-                       "state": state, "shards": shards}
-                path = os.path.join(out, f"rank{rank:05d}-of-{args.world_size:05d}.pt")
-                _save_atomic(doc, path)
-                written.append(path)
-    if args.json:
-        _print_json({"step": args.step, "files": written})
-    else:
-        for path in written:
-            print(f"wrote step {args.step} to {path}")
+        written = write_step(ckpt, args.step, args.out, world_size=args.world_size, keys=args.keys)
+    _report(args, {"step": args.step, "files": written},
+            "\n".join(f"wrote step {args.step} to {path}" for path in written))
     return 0
-
-
-def _save_atomic(obj: Any, path: str) -> None:
-    """Writes ``obj`` to a temp file beside ``path`` and renames it there; no temp file stays
-    behind when either step fails."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        if isinstance(e, (OSError, RuntimeError)):  # torch.save reports a bad path as RuntimeError
-            raise DeltackptError(f"--out: cannot write {path}: {e}") from None
-        raise
-
-
-def _unshard(obj: Any, path: str, shards: dict[str, dict[str, list[int]]]) -> Any:
-    """Replaces Shards by their local tensors, noting where each sits in ``shards``."""
-    if isinstance(obj, Shard):
-        shards[path] = {"global_shape": list(obj.global_shape), "global_offset": list(obj.global_offset)}
-        return obj.local
-    if isinstance(obj, dict):
-        return {k: _unshard(v, f"{path}/{k}" if path else str(k), shards) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_unshard(v, f"{path}/{i}", shards) for i, v in enumerate(obj))
-    return obj
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -288,11 +239,8 @@ def cmd_export(args: argparse.Namespace) -> int:
                       keys=args.keys, prefix=args.prefix, dtype=args.dtype, overwrite=args.force,
                       shard_bytes=args.shard_bytes, memory_budget=args.memory_budget,
                       progress=bar.update)
-    if args.json:
-        _print_json(asdict(info))
-    else:
-        print(f"exported step {info.step} to {info.out} ({info.format}): {info.tensors} tensors, "
-              f"{fmt_bytes(info.bytes)} in {info.seconds:.2f} s")
+    _report(args, asdict(info), f"exported step {info.step} to {info.out} ({info.format}): "
+            f"{info.tensors} tensors, {fmt_bytes(info.bytes)} in {info.seconds:.2f} s")
     return 0
 
 
@@ -300,11 +248,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     from .ops.importing import import_checkpoint
 
     info = import_checkpoint(args.src, args.path, args.step, storage_options=_options(args))
-    if args.json:
-        _print_json(asdict(info))
-    else:
-        print(f"imported {args.src} as a {info.kind} at step {info.step} of {args.path}: "
-              f"{fmt_bytes(info.bytes_written)} written in {info.seconds:.2f} s")
+    _report(args, asdict(info), f"imported {args.src} as a {info.kind} at step {info.step} of "
+            f"{args.path}: {fmt_bytes(info.bytes_written)} written in {info.seconds:.2f} s")
     return 0
 
 

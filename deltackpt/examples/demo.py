@@ -18,11 +18,7 @@ Exits 1 if any check fails. Run ``deltackpt demo --help`` for the options.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import multiprocessing as mp
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -35,22 +31,18 @@ from .. import statetree
 from ..checkpointer import Checkpointer, SaveInfo
 from ..datasets import CriteoConfig
 from ..errors import DeltackptError
-from ..format import dtypes
 from ..hooks import CheckpointHook
 from ..quantization import Rowwise
 from ..save.pending import SaveHandle
-from ..sharding import Shard, row_block
 from ..storage import storage_options
 from . import SPARSE_OPTIMIZERS, deterministic, dlrm_run, train
 from . import demo_report as report
+from .demo_ranks import restore_on_ranks
+from .snapshots import Snapshot, differences, same_bits, snapshot
 
 THREADS = 1
 """Intra-op threads while training: the DLRM's ops are small, so more threads cost more than they
 give (and stall on a busy machine), and both runs use the same count at every step."""
-
-Snapshot = tuple[dict[str, torch.Tensor], dict[str, Any]]
-"""Copies of a state's tensors by flat key, and its JSON skeleton (step, learning rates...)."""
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (
@@ -139,32 +131,6 @@ def pick_restore_step(args: argparse.Namespace) -> int:
     steps = [s for s in checkpoint_steps(args) if s < args.steps]
     deltas = [s for i, s in enumerate(steps) if i % args.base_every] or steps
     return min(deltas, key=lambda s: (abs(2 * s - args.steps), -s))
-
-
-def snapshot(state: Any, *, copy: bool = True) -> Snapshot:
-    """The state's tensors by flat key (copies, or views of the live tensors) and skeleton."""
-    flat = statetree.flatten(state)
-    tensors = {k: s.local.clone() if copy else s.local for k, s in flat.tensors.items()}
-    return tensors, _plain(flat.tree)
-
-
-def _plain(tree: Any) -> Any:
-    return json.loads(json.dumps(tree))
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal dtype, shape and bits (NaN payloads and -0.0 included)."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-
-
-def differences(got: Snapshot, want: Snapshot) -> list[str]:
-    """Flat keys whose bits differ, keys on one side only, and ``<skeleton>`` if plain values
-    (step, hyper-parameters) differ."""
-    keys = sorted(set(got[0]) | set(want[0]))
-    bad = [k for k in keys
-           if k not in got[0] or k not in want[0] or not same_bits(got[0][k], want[0][k])]
-    return bad + (["<skeleton>"] if got[1] != want[1] else [])
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -330,97 +296,3 @@ def resume(
               "ok": not bad_at_step and not bad_final}
     out.resumed(result)
     return result
-
-
-# -- restore on several ranks ---------------------------------------------------------------------
-
-
-def restore_on_ranks(store: str, options: dict[str, str], step: int, world: int, want: Snapshot,
-                     timeout: float = 600.0) -> list[dict[str, Any]]:
-    """Restores ``step`` on ``world`` spawned gloo ranks, each into its row-wise shards, and has
-    each rank compare its shards with ``want``; returns each rank's report (``ok``, ``error``)."""
-    methods = mp.get_all_start_methods()
-    ctx: Any = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
-    if "forkserver" in methods:
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "deltackpt.examples.demo"])
-    with tempfile.TemporaryDirectory(prefix="deltackpt-demo-") as tmp:
-        reference = os.path.join(tmp, "reference.pt")
-        torch.save(want[0], reference)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        outs = [os.path.join(tmp, f"rank{r}.json") for r in range(world)]
-        procs = [ctx.Process(target=_rank_main, daemon=True,
-                             args=(r, world, port, store, options, step, reference, outs[r]))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        end = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, end - time.monotonic()))
-        results = []
-        for r, (p, path) in enumerate(zip(procs, outs)):
-            if p.is_alive():
-                p.kill()
-                p.join()
-            if os.path.exists(path):
-                with open(path) as f:
-                    res = json.load(f)
-                if "tree" in res and res.pop("tree") != want[1]:
-                    res.update(ok=False, mismatched=res.get("mismatched", []) + ["<skeleton>"])
-            else:
-                res = {"rank": r, "ok": False, "error": f"rank {r} died (exit code {p.exitcode})"}
-            results.append(res)
-    return results
-
-
-def _rank_main(rank: int, world: int, port: int, store: str, options: dict[str, str], step: int,
-               reference: str,
-               out: str) -> None:
-    """One rank: restore ``step`` into empty row-wise shards, compare them with the reference."""
-    import torch.distributed as dist
-
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    result: dict[str, Any] = {"rank": rank, "ok": False}
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=120))
-        with Checkpointer(store, create=False, process_group=dist.group.WORLD,
-                          storage_options=options) as ckpt:
-            m = ckpt.store.manifest(step)
-            targets: dict[str, torch.Tensor | Shard] = {}
-            for key, rec in m.tensors.items():
-                # Garbage bytes first, so a tensor the restore skipped cannot pass the check.
-                box = row_block(rec.shape, rank, world) if rec.shape else None
-                local = torch.empty(box.shape if box else (), dtype=dtypes.from_name(rec.dtype))
-                local.reshape(-1).view(torch.uint8).fill_(0xA5)
-                targets[key] = local if box is None else Shard(
-                    local, global_shape=rec.shape, global_offset=box.offset)
-            state = statetree.build(m.tree, targets)
-            t0 = time.perf_counter()
-            ckpt.restore(state, step)
-            result["seconds"] = round(time.perf_counter() - t0, 4)
-        want = torch.load(reference, mmap=True, weights_only=True)
-        bad, rows, nbytes = [], [], 0
-        for key, t in targets.items():
-            ref = want[key]
-            if isinstance(t, Shard):
-                ref = ref.narrow(0, t.global_offset[0], t.local.shape[0])
-                if key.startswith("model/embeddings."):
-                    rows.append((t.global_offset[0], t.global_offset[0] + t.local.shape[0]))
-                t = t.local
-            nbytes += t.numel() * t.element_size()
-            if not same_bits(t, ref):
-                bad.append(key)
-        result.update(ok=not bad, mismatched=bad, tensors=len(targets), bytes=nbytes,
-                      table_rows=sum(hi - lo for lo, hi in rows),
-                      tree=_plain(statetree.flatten(state).tree))
-    except BaseException as e:  # noqa: BLE001 - reported by the parent
-        result["error"] = f"{type(e).__name__}: {e}"
-    finally:
-        with open(out + ".tmp", "w") as f:
-            json.dump(result, f)
-        os.replace(out + ".tmp", out)
-        if dist.is_initialized():
-            dist.destroy_process_group()

@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from ..storage.local import BLOCK
+from ..storage.direct import BLOCK
 
 
 class StagingPool:

@@ -35,7 +35,7 @@ import torch
 from ..format import dtypes
 from ..errors import ConvertError, OutputExistsError
 from ..storage import LocalStorage, Storage
-from ..storage.local import BLOCK
+from ..storage.direct import BLOCK
 from .snapshot import MiB, Selection, Snapshot
 
 FORMATS = ("dcp", "safetensors", "torch")

@@ -25,7 +25,7 @@ from ..sharding import Box
 from ..io.staging import StagingPool
 from ..storage import Storage
 from ..storage import open_storage
-from ..storage.local import BLOCK
+from ..storage.direct import BLOCK
 from ..store import Store
 
 MiB = 1 << 20

@@ -20,7 +20,7 @@ import torch
 
 from .. import statetree
 from ..errors import ConvertError
-from ..storage.local import BLOCK
+from ..storage.direct import BLOCK
 
 DIRECT_MIN = 1 << 20
 

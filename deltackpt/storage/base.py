@@ -71,7 +71,10 @@ class Storage(Protocol):
     on_point: PointHook | None
 
     def point(self, phase: str, key: str) -> None:
-        """Marks the start of durable step ``phase`` on ``key``: calls :attr:`on_point` if set."""
+        """Marks the start of durable step ``phase`` on ``key``: calls :attr:`on_point` if set
+        (a backend that subclasses this protocol inherits this)."""
+        if self.on_point is not None:
+            self.on_point(phase, key)
 
     def write(self, key: str, parts: Iterable[memoryview]) -> None:
         """Creates object ``key`` from ``parts``; ``key`` must not exist. Durable after

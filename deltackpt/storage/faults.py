@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from .base import Capabilities, PointHook, Storage
 
 
-class FaultInjection:
+class FaultInjection(Storage):
     """``inner`` with ``fault(phase, key)`` called before each of its durable steps and at the
     phases a save or compaction announces; ``fault`` may raise, sleep or end the process.
 
@@ -35,10 +35,6 @@ class FaultInjection:
         self.capabilities: Capabilities = inner.capabilities
         self.on_point: PointHook | None = fault
         inner.on_point = self.point
-
-    def point(self, phase: str, key: str) -> None:
-        if self.on_point is not None:
-            self.on_point(phase, key)
 
     def write(self, key: str, parts: Iterable[memoryview]) -> None:
         self.inner.write(key, parts)

@@ -13,16 +13,7 @@ write then ``fsync`` at the end 1.1-1.7 s, the same ``fsync`` s spread over two 
 ``fsync`` by the writing thread 0.32-0.81 s; the last is the cheapest way that touches only the
 save's own files.
 
-Large writes bypass the page cache (``O_DIRECT``): the whole 4 KiB blocks of a part written at a
-block-aligned offset go straight to the disk, from the part's own memory where it starts on a
-block boundary (the staging pool's buffers do), else copied through an aligned 8 MiB buffer each
-writing thread keeps (a tensor's memory starts 64 B past a page, so a base written from its
-tensors went wholly through the page cache before); the rest goes through the page cache. On
-this project's VM a new file's page cache costs a page fault per page in memory the host has
-reclaimed, so buffered writes of fresh files run at 0.3-2.4 GB/s and direct ones at 1.4-4.3 GB/s
-(``shared/baselines.md``, and 5.2 MB: 3.7 ms direct vs 16 ms buffered measured beside each
-other), and the copy costs less than that difference (memcpy runs at 13 GB/s here). A file
-system that refuses ``O_DIRECT`` gets buffered writes.
+Large writes bypass the page cache (see :mod:`deltackpt.storage.direct`).
 
 Keys are untrusted (they come from commit records): a key with an empty, ``.`` or ``..``
 component or a NUL is refused, so every path stays under the root, and no operation follows a
@@ -34,7 +25,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import logging
 import os
 import shutil
 import stat
@@ -42,19 +32,12 @@ import threading
 import uuid
 from collections.abc import Iterable
 
-import numpy as np
-
 from ..errors import StorageFullError, StoreError
-from .base import Capabilities, PointHook, check_key
-
-log = logging.getLogger(__name__)
-
-BLOCK = 4096  # the alignment O_DIRECT needs, of memory, file offset and length
-DIRECT_MIN = 1 << 20  # smaller writes go through the page cache, where their fsync is cheap
-BOUNCE = 8 << 20  # per-thread aligned buffer that unaligned memory is copied through for O_DIRECT
+from .base import Capabilities, PointHook, Storage, check_key
+from .direct import DirectWriter, write_all
 
 
-class LocalStorage:
+class LocalStorage(Storage):
     """A store in a local directory.
 
     Args:
@@ -76,13 +59,8 @@ class LocalStorage:
         self.on_point = on_point
         self._fresh: set[str] = set()  # folders this storage created whose names are not durable yet
         self._lock = threading.Lock()
-        self._local = threading.local()
-        self._direct = getattr(os, "O_DIRECT", 0)  # 0 once the file system refuses it
+        self._writer = DirectWriter(self.root)
         self._real_dirs: set[str] = set()  # folders under the root known not to be links
-
-    def point(self, phase: str, key: str) -> None:
-        if self.on_point is not None:
-            self.on_point(phase, key)
 
     def _path(self, key: str) -> str:
         """The path of ``key``, which must stay under the root."""
@@ -138,60 +116,13 @@ class LocalStorage:
             self._makedirs(os.path.dirname(path))
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             try:
-                at = 0
-                for part in parts:
-                    data = part.cast("B")
-                    if self._direct and at % BLOCK == 0 and len(data) >= DIRECT_MIN:
-                        n = self._write_direct(fd, data[: len(data) // BLOCK * BLOCK])
-                        at, data = at + n, data[n:]
-                    _write_all(fd, data)
-                    at += len(data)
+                self._writer.write(fd, parts)
                 self.point("fsync", key)
                 os.fsync(fd)
             finally:
                 os.close(fd)
         except OSError as e:
             raise _store_error(e, path) from e
-
-    def _write_direct(self, fd: int, data: memoryview) -> int:
-        """Writes whole blocks past the page cache, from their own memory if it is aligned, else
-        through this thread's aligned bounce buffer; returns the bytes written, 0 when the file
-        system refuses (then direct writes stay off)."""
-        pieces = [data] if _address(data) % BLOCK == 0 else None
-        bounce = None
-        if pieces is None:
-            bounce = self._bounce()
-            pieces = [data[i : i + len(bounce)] for i in range(0, len(data), len(bounce))]
-        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-        try:
-            first = pieces[0] if bounce is None else _copy(bounce, pieces[0])
-            fcntl.fcntl(fd, fcntl.F_SETFL, flags | self._direct)
-            done = os.write(fd, first)  # a refusal shows here or in the line above
-        except OSError as e:
-            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
-            if e.errno != errno.EINVAL:
-                raise
-            log.debug("%s: no O_DIRECT on this file system (%s); writing through the page cache",
-                      self.root, e)
-            self._direct = 0
-            return 0
-        try:
-            _write_all(fd, first[done:])
-            for piece in pieces[1:]:
-                _write_all(fd, piece if bounce is None else _copy(bounce, piece))
-        finally:
-            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
-        return len(data)
-
-    def _bounce(self) -> memoryview:
-        """This thread's aligned buffer for direct writes of unaligned memory, kept for reuse
-        (fresh memory is slow on this project's VMs)."""
-        buf = getattr(self._local, "bounce", None)
-        if buf is None:
-            raw = np.empty(BOUNCE + BLOCK, np.uint8)
-            start = -raw.ctypes.data % BLOCK
-            buf = self._local.bounce = raw[start : start + BOUNCE].data
-        return buf
 
     def _makedirs(self, folder: str) -> None:
         """Creates ``folder`` and its missing parents, noting each one created here."""
@@ -400,22 +331,6 @@ class LocalStorage:
             pass
         except OSError as e:
             raise _store_error(e, path) from e
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    while data:
-        n = os.write(fd, data)
-        data = data[n:]
-
-
-def _copy(into: memoryview, data: memoryview) -> memoryview:
-    """``data`` copied to the start of ``into``; the copy."""
-    into[: len(data)] = data
-    return into[: len(data)]
-
-
-def _address(data: memoryview) -> int:
-    return np.frombuffer(data, np.uint8).ctypes.data if len(data) else 0
 
 
 def _fsync_dir(path: str) -> None:

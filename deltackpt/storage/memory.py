@@ -14,12 +14,12 @@ import time
 from collections.abc import Iterable
 
 from ..errors import StoreError
-from .base import Capabilities, PointHook, check_key
+from .base import Capabilities, PointHook, Storage, check_key
 
 _urls = itertools.count()
 
 
-class MemoryStorage:
+class MemoryStorage(Storage):
     """Objects in a dictionary, visible to this process only.
 
     Args:
@@ -42,10 +42,6 @@ class MemoryStorage:
         self._lock = threading.Lock()
         self._objects: dict[str, tuple[bytes, float]] = {}
         self._durable: dict[str, tuple[bytes, float]] = {}
-
-    def point(self, phase: str, key: str) -> None:
-        if self.on_point is not None:
-            self.on_point(phase, key)
 
     def write(self, key: str, parts: Iterable[memoryview]) -> None:
         check_key(key)

@@ -35,7 +35,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from ..errors import StoreError
-from .base import Capabilities, PointHook, check_key
+from .base import Capabilities, PointHook, Storage, check_key
 from .s3_config import S3Config
 from .s3_errors import (RangeNotSatisfiable, Refused, first_line, past_the_end, retried_by_client,
                         transient)
@@ -48,7 +48,7 @@ STALE_ETAG = '"00000000000000000000000000000000"'  # an ETag no probe object has
 T = TypeVar("T")
 
 
-class S3Storage:
+class S3Storage(Storage):
     """Objects under ``prefix`` in one bucket of an S3-compatible server.
 
     Args:
@@ -106,10 +106,6 @@ class S3Storage:
         self._probed = not config.conditional_writes
 
     # -- the protocol -------------------------------------------------------------------------
-
-    def point(self, phase: str, key: str) -> None:
-        if self.on_point is not None:
-            self.on_point(phase, key)
 
     def write(self, key: str, parts: Iterable[memoryview]) -> None:
         check_key(key)

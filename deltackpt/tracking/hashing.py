@@ -8,6 +8,7 @@ single-threaded kernel on the I/O threads keeps every thread a save uses in one 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
 from functools import partial
@@ -77,3 +78,14 @@ class Hasher:
             return
         for f in [self._executor.submit(job) for job in jobs]:
             f.result()
+
+
+_warming: list[threading.Thread] = []
+
+
+def warm_kernels() -> None:
+    """Compiles the hash and mark kernels once per process, on a background thread, so the first
+    save does not wait for the compiler (it waits for this thread only if it is still running)."""
+    if not _warming:
+        _warming.append(threading.Thread(target=kernels.warm, name="deltackpt-warm", daemon=True))
+        _warming[0].start()

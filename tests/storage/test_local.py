@@ -12,7 +12,7 @@ import pytest
 
 from deltackpt.io.staging import StagingPool
 from deltackpt.storage import LocalStorage
-from deltackpt.storage.local import BLOCK, BOUNCE, DIRECT_MIN
+from deltackpt.storage.direct import BLOCK, BOUNCE, DIRECT_MIN
 
 
 def parts_of(pool: StagingPool, rng: np.random.Generator) -> tuple[list[memoryview], bytes]:
@@ -87,8 +87,9 @@ def test_unaligned_memory_is_written_direct_through_a_bounce_buffer(tmp_path, mo
     part = memoryview(raw[start:])
     storage = LocalStorage(tmp_path)
     direct = []
-    real = storage._write_direct
-    monkeypatch.setattr(storage, "_write_direct", lambda fd, data: direct.append(real(fd, data)) or direct[-1])
+    real = storage._writer._write_direct
+    monkeypatch.setattr(storage._writer, "_write_direct",
+                        lambda fd, data: direct.append(real(fd, data)) or direct[-1])
     storage.write("f", [part])
     assert storage.read("f") == bytes(part)
     assert direct == [len(part) // BLOCK * BLOCK]  # every whole block, in three bounce copies

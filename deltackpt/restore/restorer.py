@@ -1,0 +1,50 @@
+"""A restore into a live state, on every rank: the coordinator reads the chain, each rank plans
+against its own tensors, and together they must hold every saved tensor; then each rank reads
+what its tensors need (see :meth:`deltackpt.Checkpointer.restore`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
+from typing import Any
+
+import torch
+
+from .. import statetree
+from ..collectives import Collective
+from ..errors import KeyMismatchError
+from ..format.manifest import Manifest
+from ..io.reader import ChainReader
+from ..io.staging import StagingPool
+from ..storage import Storage
+from .planning import RestorePlan, fill, plan_restore
+
+
+def restore(state: Mapping[str, Any], chain_of: Callable[[], list[Manifest]], *, storage: Storage,
+            coll: Collective, pool: StagingPool, executor: Executor,
+            on_filled: Callable[[dict[str, torch.Tensor]], None]) -> list[Manifest]:
+    """Fills ``state`` in place from the chain ``chain_of`` returns (called on the coordinator);
+    ``on_filled`` gets the restored tensors by flat key. Returns the chain.
+
+    Raises:
+        KeyMismatchError, DtypeMismatchError, ShapeMismatchError: ``state`` does not match what
+            was saved; nothing was changed.
+        CheckpointAborted: on several ranks, any rank's failure.
+    """
+    chain = coll.one("read_chain", chain_of)
+    m = chain[-1]
+
+    def check() -> tuple[set[str], RestorePlan]:
+        plan = plan_restore(state, m, partial=coll.size > 1)
+        return plan.covered, plan
+
+    covered, plan = coll.each("restore_plan", check)
+    if set().union(*covered) != set(m.tensors):
+        raise KeyMismatchError(sorted(set(m.tensors) - set().union(*covered)), [])
+
+    def read() -> None:
+        fill(plan, m, ChainReader(storage, chain, pool, executor))
+        on_filled({k: s.local.contiguous() for k, s in statetree.flatten(state).tensors.items()})
+
+    coll.all("restore_read", read)
+    return chain
