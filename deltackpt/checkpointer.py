@@ -24,7 +24,6 @@ committed, and the change trackers keep their state, so the next save carries th
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -54,8 +53,6 @@ from .stream import StepDelta, deltas
 from .tracking.changes import ChangeTracker
 from .tracking.hashing import Hasher, warm_kernels
 from .tracking.rows import Canary, TrackHandle
-
-log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 
