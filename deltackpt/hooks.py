@@ -28,7 +28,7 @@ from torch import nn
 from .checkpointer import Checkpointer, SaveInfo
 from .errors import HookClosedError, StateError
 from .save.pending import SaveHandle
-from .statetree import is_stateful, key_part
+from .statetree import child_key, is_stateful, walk
 from .storage import Storage
 from .tracking.rows import TrackHandle
 
@@ -123,7 +123,7 @@ class CheckpointHook:
         self._handle = handle
         hooked = set(handle.keys)
         for name, p in model.named_parameters():
-            key = f"{prefix}/{key_part(name)}" if prefix else key_part(name)
+            key = child_key(prefix, name)
             if key not in hooked:
                 self._unhooked.append((key, p))
 
@@ -246,23 +246,9 @@ class CheckpointHook:
 
 
 def _stateful(state: Mapping[str, Any]) -> list[tuple[str, Any]]:
-    """(flat-key path, object) of every stateful object (module, optimizer...) in ``state``, found
-    through nested mappings and lists; the paths are those :func:`deltackpt.statetree.flatten`
-    gives the object's tensors."""
-    out: list[tuple[str, Any]] = []
-
-    def walk(obj: Any, path: str) -> None:
-        if is_stateful(obj) and not isinstance(obj, Mapping):
-            out.append((path, obj))
-        elif isinstance(obj, Mapping):
-            for k, v in obj.items():
-                walk(v, f"{path}/{key_part(k)}" if path else key_part(k))
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                walk(v, f"{path}/{i}")
-
-    walk(state, "")
-    return out
+    """(flat-key path, object) of every stateful object (module, optimizer...) in ``state``; the
+    paths are those :func:`deltackpt.statetree.flatten` gives the object's tensors."""
+    return [(path, obj) for path, obj in walk(state) if is_stateful(obj) and not isinstance(obj, Mapping)]
 
 
 def _table_optimizer(

@@ -12,7 +12,7 @@ Nodes: ``{"tensor": KEY}``, ``{"value": V}``, ``{"float": "nan" | "inf" | "-inf"
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,39 @@ class FlatState:
 def key_part(k: str | int) -> str:
     """One path component of a flat key; ``/`` and ``%`` are escaped so keys split unambiguously."""
     return str(k).replace("%", "%25").replace("/", "%2F")
+
+
+def child_key(path: str, *names: str | int) -> str:
+    """The flat key of ``names`` (a dict key or list index each, outermost first) under the path
+    ``path`` (``""``: the root): the one way keys are joined.
+
+    Example:
+        >>> child_key("model", "emb.weight"), child_key("", "a/b", 0)
+        ('model/emb.weight', 'a%2Fb/0')
+    """
+    for name in names:
+        path = f"{path}/{key_part(name)}" if path else key_part(name)
+    return path
+
+
+def walk(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """Every value of a live state with its flat-key path, outermost first, descending as
+    :func:`flatten` does into mappings, lists and tuples (not into objects with
+    ``state_dict()``, whose tensors sit under their path).
+
+    Example:
+        >>> [p for p, _ in walk({"model": torch.nn.Linear(1, 1), "opt": [{"lr": 0.1}]})]
+        ['', 'model', 'opt', 'opt/0', 'opt/0/lr']
+    """
+    yield path, obj
+    if is_stateful(obj) and not isinstance(obj, Mapping):
+        return
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from walk(v, child_key(path, k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from walk(v, child_key(path, i))
 
 
 def is_stateful(obj: object) -> bool:
@@ -111,12 +144,11 @@ def _node(obj: Any, path: str, tensors: dict[str, Shard], depth: int) -> dict[st
                 raise StateError(f"{path or '<root>'}: keys must be str or int, got {k!r}")
             if isinstance(k, str) and has_surrogate(k):
                 raise StateError(f"{path or '<root>'}: key {k!r} holds a lone surrogate (not UTF-8)")
-            child = f"{path}/{key_part(k)}" if path else key_part(k)
-            items.append([k, _node(v, child, tensors, depth + 1)])
+            items.append([k, _node(v, child_key(path, k), tensors, depth + 1)])
         return {"dict": items}
     if isinstance(obj, (list, tuple)):
         kind = "tuple" if isinstance(obj, tuple) else "list"
-        return {kind: [_node(v, f"{path}/{i}", tensors, depth + 1) for i, v in enumerate(obj)]}
+        return {kind: [_node(v, child_key(path, i), tensors, depth + 1) for i, v in enumerate(obj)]}
     if isinstance(obj, float) and not math.isfinite(obj):
         return {"float": repr(obj)}
     if obj is None or isinstance(obj, (bool, int, float, str)):

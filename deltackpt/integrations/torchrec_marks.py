@@ -23,7 +23,7 @@ from torch import nn
 from ..errors import StateError
 from ..tracking.lookups import feature_ids
 from ..tracking.marks import TrackedTable
-from ..statetree import key_part
+from ..statetree import child_key
 from .torchrec import live_state
 
 WRAPPERS = ("_dmp_wrapped_module.module.", "_dmp_wrapped_module.", "module.")
@@ -66,8 +66,7 @@ def track(register: Callable[[tuple[str, ...]], TrackedTable], model: nn.Module,
         live = live_state(optimizer).tree
         for fqn, entries in live["state"].items():
             aligned[fqn] = [
-                f"{optimizer_prefix}/state/{key_part(fqn)}/{key_part(name)}" if optimizer_prefix
-                else f"state/{key_part(fqn)}/{key_part(name)}"
+                child_key(optimizer_prefix, "state", fqn, name)
                 for name, value in entries.items() if fqn in live["columns"]
             ]
     held = {k for k, v in model.state_dict().items()
@@ -84,7 +83,7 @@ def track(register: Callable[[tuple[str, ...]], TrackedTable], model: nn.Module,
             fqn = f"{base}.embedding_bags.{table}" if base else f"embedding_bags.{table}"
             if f"{fqn}.weight" not in held:
                 continue
-            weight = f"{prefix}/{key_part(fqn + '.weight')}" if prefix else key_part(fqn + ".weight")
+            weight = child_key(prefix, f"{fqn}.weight")
             t = register((weight, *aligned.get(f"{fqn}.weight", [])))
             by_table[fqn] = t
             keys.append(weight)

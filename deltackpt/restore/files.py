@@ -12,6 +12,7 @@ import torch
 
 from ..errors import DeltackptError
 from ..sharding import Shard
+from ..statetree import child_key
 
 if TYPE_CHECKING:
     from ..checkpointer import Checkpointer
@@ -65,12 +66,13 @@ def _save_atomic(obj: Any, path: str) -> None:
 
 
 def _unshard(obj: Any, path: str, shards: dict[str, dict[str, list[int]]]) -> Any:
-    """Replaces Shards by their local tensors, noting where each sits in ``shards``."""
+    """Replaces Shards by their local tensors, noting where each sits in ``shards`` by its flat
+    key."""
     if isinstance(obj, Shard):
         shards[path] = {"global_shape": list(obj.global_shape), "global_offset": list(obj.global_offset)}
         return obj.local
     if isinstance(obj, dict):
-        return {k: _unshard(v, f"{path}/{k}" if path else str(k), shards) for k, v in obj.items()}
+        return {k: _unshard(v, child_key(path, k), shards) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_unshard(v, f"{path}/{i}", shards) for i, v in enumerate(obj))
+        return type(obj)(_unshard(v, child_key(path, i), shards) for i, v in enumerate(obj))
     return obj

@@ -79,7 +79,7 @@ def _walk(live: Any, node: dict[str, Any], path: str, m: Manifest, plan: Restore
     adapter = statetree.integration(live)
     if adapter is not None:
         def saved_shape(keys: tuple[str, ...]) -> tuple[int, ...] | None:
-            rec = m.tensors.get("/".join([*([path] if path else []), *map(statetree.key_part, keys)]))
+            rec = m.tensors.get(statetree.child_key(path, *keys))
             return None if rec is None else rec.shape
 
         view, finish = adapter.prepare_restore(live, saved_shape)
@@ -116,19 +116,18 @@ def _walk(live: Any, node: dict[str, Any], path: str, m: Manifest, plan: Restore
         if kind != "dict":
             raise StateError(f"{where}: the target is a dict, the checkpoint holds a {kind}")
         saved = dict((k, v) for k, v in body)
-        join = (lambda k: f"{path}/{k}") if path else str
-        missing += [join(k) for k in saved if k not in live]
-        unexpected += [join(k) for k in live if k not in saved]
+        missing += [statetree.child_key(path, k) for k in saved if k not in live]
+        unexpected += [statetree.child_key(path, k) for k in live if k not in saved]
         for k, child in saved.items():
             if k in live:
-                _child(live, k, child, join(statetree.key_part(k)), m, plan, missing, unexpected)
+                _child(live, k, child, statetree.child_key(path, k), m, plan, missing, unexpected)
         return
     if isinstance(live, MutableSequence):
         if kind != "list" or len(body) != len(live):
             raise StateError(f"{where}: the target is a list of {len(live)}, the checkpoint holds "
                              f"{'a list of ' + str(len(body)) if kind == 'list' else 'a ' + kind}")
         for i, child in enumerate(body):
-            _child(live, i, child, f"{path}/{i}", m, plan, missing, unexpected)
+            _child(live, i, child, statetree.child_key(path, i), m, plan, missing, unexpected)
         return
     raise StateError(f"{where}: cannot restore into a {type(live).__name__} in place")
 

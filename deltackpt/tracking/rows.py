@@ -44,7 +44,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import StateError
-from ..statetree import key_part
+from ..statetree import child_key
 from . import lookups
 from .marks import Canary, TrackedTable
 
@@ -134,10 +134,10 @@ class RowTracker:
         for name, p in model.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(name)
             # Remembered so that mark() by hand on a parameter's key finds its optimizer state.
-            self._params[_join(prefix, name)] = (p, opt)
+            self._params[child_key(prefix, name)] = (p, opt)
 
         def table(p: torch.Tensor, name: str) -> TrackedTable:
-            keys = tuple(_join(prefix, n) for n in names.get(id(p), [name]))
+            keys = tuple(child_key(prefix, n) for n in names.get(id(p), [name]))
             return self._register(keys, p, opt, canary)
 
         ebc = lookups.collection_type()
@@ -298,10 +298,6 @@ class RowTracker:
         handle = mod.register_forward_hook(hook, with_kwargs=True)
         self._hooks[id(mod)] = handle
         return handle
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}/{key_part(name)}" if prefix else key_part(name)
 
 
 def _dotted(module: str, name: str) -> str:

@@ -42,3 +42,27 @@ def test_merge_takes_the_union_of_the_ranks_dicts():
     a = flatten({"t0": torch.zeros(1), "step": 1}).tree
     b = flatten({"t1": torch.zeros(1), "step": 1}).tree
     assert sorted(tensor_keys(merge([a, b]))) == ["t0", "t1"]
+
+
+def test_every_walker_joins_keys_as_flatten_does(tmp_path):
+    from deltackpt import Checkpointer, KeyMismatchError
+    from deltackpt.hooks import _stateful
+    from deltackpt.restore.files import write_step
+    from deltackpt.statetree import child_key, walk
+
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 2))
+    state = {"odd/a%b": {"model": model, "t": torch.zeros(4, 2)}, "runs": [{"w": torch.ones(3)}]}
+    keys = sorted(flatten(state).tensors)
+    assert keys == ["odd%2Fa%25b/model/0.weight", "odd%2Fa%25b/t", "runs/0/w"]
+    assert child_key("odd%2Fa%25b", "model", "0.weight") == keys[0]
+    paths = dict(walk(state))
+    assert paths["odd%2Fa%25b/t"] is state["odd/a%b"]["t"] and paths["runs/0/w"] is state["runs"][0]["w"]
+    assert [p for p, _ in _stateful(state)] == ["odd%2Fa%25b/model"]
+    with Checkpointer(tmp_path / "store") as ckpt:
+        ckpt.save(1, state)
+        assert ckpt.track(model, prefix="odd%2Fa%25b/model").keys == (keys[0],)
+        with pytest.raises(KeyMismatchError) as e:
+            ckpt.restore({"odd/a%b": {"model": model}, "runs": [{"w": torch.ones(3)}]}, 1)
+        assert e.value.missing == ["odd%2Fa%25b/t"]
+        (out,) = write_step(ckpt, 1, str(tmp_path / "ranks"), world_size=1)
+    assert sorted(torch.load(out, weights_only=True)["shards"]) == keys
