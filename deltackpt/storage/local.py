@@ -34,7 +34,7 @@ from collections.abc import Iterable
 
 from ..errors import StorageFullError, StoreError
 from .base import Capabilities, PointHook, Storage, check_key
-from .direct import DirectWriter, write_all
+from .direct import DirectWriter
 
 
 class LocalStorage(Storage):

@@ -9,7 +9,6 @@ of its flat elements (``chunks``). Adding an encoding is one more class register
 from __future__ import annotations
 
 from .base import (
-    REGISTRY,
     Array,
     ChunkSink,
     ChunkSource,
@@ -25,6 +24,6 @@ from .full import FULL, Full, write_block  # registered in this order: full, row
 from .rows import QRows, RowChunks, Rows
 from .chunks import Chunks
 
-__all__ = ["FULL", "REGISTRY", "Array", "ChunkSink", "ChunkSource", "Chunks", "Encoding", "Full", "Job",
+__all__ = ["FULL", "Array", "ChunkSink", "ChunkSource", "Chunks", "Encoding", "Full", "Job",
            "QRows", "RowChunks", "Rows", "choose", "dense_chunk_elems", "get", "register",
            "rows_per_chunk", "write_block"]
