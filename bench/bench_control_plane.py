@@ -37,7 +37,7 @@ import xxhash
 
 from deltackpt import Shard
 from deltackpt.format import dtypes
-from deltackpt.format.encodings import FULL, choose, dense_chunk_elems
+from deltackpt.format.encodings import FULL, choose, dense_chunk_elems, in_pack
 from deltackpt.format.layout import pack_name
 from deltackpt.format.limits import BLOSC_HEADER
 from deltackpt.format.manifest import ChunkMap, Manifest
@@ -163,8 +163,9 @@ def written(save: SavePlan, rank: int, items: tuple[WriteItem, ...], held: Mappi
         names = [(a.chunk(i), _stored(a.chunk_bytes, a.coded))
                  for a in enc.arrays(t.dtype, box.shape, cs, n) for i in range(n if enc.sparse else a.chunks)]
         chunks: ChunkMap = {}
+        packed = not enc.whole or in_pack(box.shape, t.element_size(), cs)
         for i, (name, size) in enumerate(names):
-            if enc.whole:
+            if not packed:
                 chunks[name] = (size, _stand_in(it.key, it.part.path, i))
             else:
                 chunks[name] = (size, _stand_in(it.key, it.part.path, name), pack_size)
@@ -176,6 +177,8 @@ def written(save: SavePlan, rank: int, items: tuple[WriteItem, ...], held: Mappi
             for p in tp.parts:
                 cs = FULL.chunk_shape(p.box.shape, dtype.itemsize, p.box.shape[0] if p.box.shape else 1, sizes,
                                       None)
+                if in_pack(p.box.shape, dtype.itemsize, cs):
+                    continue
                 files.setdefault((tp.key, p.path), {})["zarr.json"] = _doc_entry(p.box.shape, cs, dtype)
     packs: dict[str, ChunkMap] = {}
     if pack_size:

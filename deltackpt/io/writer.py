@@ -166,10 +166,11 @@ class StepWriter:
 
     def put(self, key: str, path: str, name: str, data: torch.Tensor, pad: int, dtype: torch.dtype,
             release: Callable[[], None] | None = None, uncoded: bool = False,
-            hash_into: torch.Tensor | None = None) -> None:
+            hash_into: torch.Tensor | None = None, packed: bool | None = None) -> None:
         """Queues one chunk: ``data`` (rows of a tensor) followed by ``pad`` zero bytes, coded as a
         zarr array of ``dtype`` would be (``uncoded``: not coded); with ``hash_into``, the hash
-        of each of ``data``'s rows goes there first, on the write's thread."""
+        of each of ``data``'s rows goes there first, on the write's thread (for the pack, on this
+        one). ``packed``: into the pack, or a file (None: into the pack if the writer has one)."""
         release = release or (lambda: None)
         if data.device.type != "cpu":
             host = self.pool.acquire(data.numel() * data.element_size())
@@ -192,7 +193,8 @@ class StepWriter:
             whole = np.concatenate([np.frombuffer(body, np.uint8), np.zeros(pad, np.uint8)])
             return [memoryview(codec.encode(whole))]
 
-        self._submit(key, path, name, parts, release)
+        self._submit(key, path, name, parts, release,
+                     packed=self._pack is not None if packed is None else packed)
 
     def gather(self, flat: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
                 hash_into: torch.Tensor | None) -> None:
@@ -216,9 +218,10 @@ class StepWriter:
         run_shared(self._executor, [partial(piece, lo) for lo in range(0, n, step)])
 
     def _submit(self, key: str, path: str, name: str, parts: Callable[[], list[memoryview]],
-                release: Callable[[], None] = lambda: None) -> None:
+                release: Callable[[], None] = lambda: None, *, packed: bool = False) -> None:
         chunks = self.results.setdefault((key, path), {})
-        if self._pack is not None:
+        if packed:
+            assert self._pack is not None  # packed chunks come only to a writer with a pack
             try:
                 chunks[name] = self._pack.append(parts())
             finally:

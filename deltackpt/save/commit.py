@@ -8,7 +8,7 @@ from typing import Any
 
 from ..collector import paused
 from ..errors import StateError, StepExistsError, WriterConflictError
-from ..format.encodings import choose
+from ..format.encodings import choose, in_pack
 from ..format.layout import commit_key, pack_name
 from ..format.lossy import Lossy
 from ..format.manifest import (
@@ -53,11 +53,14 @@ def build_manifest(save: SavePlan, plan: GlobalPlan, changed: Mapping[tuple[str,
         rule = save.quantize[t.key].rule if t.key in save.quantize else None
         enc = choose(kind, t.global_shape, rule is not None)
         parts = tuple(
-            PartRecord(p.box.offset, p.box.shape, p.path,
-                       enc.chunk_shape(p.box.shape, itemsize(t.dtype), changed[(t.key, p.path)], sizes, rule),
-                       changed[(t.key, p.path)], files.get((t.key, p.path), {}),
-                       pack_name(p.writer) if kind == Kind.DELTA and changed[(t.key, p.path)] else None)
+            PartRecord(p.box.offset, p.box.shape, p.path, cs,
+                       changed[(t.key, p.path)], chunks,
+                       # A part without chunks (nothing changed, or no elements) is in no pack.
+                       pack_name(p.writer) if chunks and (kind == Kind.DELTA or in_pack(
+                           p.box.shape, itemsize(t.dtype), cs)) else None)
             for p in t.parts
+            for cs in [enc.chunk_shape(p.box.shape, itemsize(t.dtype), changed[(t.key, p.path)], sizes, rule)]
+            for chunks in [files.get((t.key, p.path), {})]
         )
         tensors[t.key] = TensorRecord(t.dtype, t.global_shape, enc, parts,
                                       lossy_record(kind, t.key, head, rule, bounds.get(t.key, 0.0)))

@@ -1,8 +1,8 @@
 """The stage and write phases of a save, on every rank.
 
 ``stage`` copies everything the rank's part of the step writes out of the live tensors into
-buffers of the staging pool, queuing each buffer's write as it fills: a base's tensors chunk by
-chunk, a delta's changed rows and chunks into the rank's pack. The pool bounds the memory this
+buffers of the staging pool, queuing each buffer's write as it fills: a base's large parts chunk
+by chunk, its small parts and a delta's changed rows and chunks into the rank's pack. The pool bounds the memory this
 adds: once every buffer is taken, staging waits for a write to give one back, so copying the next
 chunk overlaps writing the last. After ``stage`` returns, nothing reads the live tensors: training
 may change them while ``write`` waits for the queued writes and makes them durable.
@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch
 
 from ..format import dtypes
-from ..format.encodings import choose
+from ..format.encodings import FULL, choose, in_pack
 from ..format.layout import STEPS, pack_name, part_folder
 from ..format.manifest import ChunkMap
 from ..io.staging import StagingPool
@@ -34,8 +34,8 @@ from .types import Kind, SavePlan, WriteItem, WriteResult
 
 
 def describe(writer: StepWriter, save: SavePlan, plan: GlobalPlan, sizes: tuple[int, int]) -> None:
-    """Coordinator: queues the zarr metadata of every array and group of the step (of a base;
-    a delta's chunks go into packs, which their writers describe)."""
+    """Coordinator: queues the zarr metadata of every array and group of the step (of a base's
+    large parts; packed chunks are described by their packs, which their writers write)."""
     folders = {""}
     if save.kind == Kind.BASE:
         for t in plan.tensors.values():
@@ -44,6 +44,8 @@ def describe(writer: StepWriter, save: SavePlan, plan: GlobalPlan, sizes: tuple[
             for p in t.parts:
                 rows = p.box.shape[0] if p.box.shape else 1
                 cs = enc.chunk_shape(p.box.shape, dtype.itemsize, rows, sizes, None)
+                if in_pack(p.box.shape, dtype.itemsize, cs):
+                    continue
                 for a in enc.arrays(dtype, p.box.shape, cs, rows):
                     writer.array(t.key, f"{p.path}/{a.name}".strip("/"), a.shape, a.chunk_shape, a.dtype,
                                  raw=not a.coded)
@@ -77,9 +79,8 @@ def stage_part(writer: StepWriter, kind: Kind, item: WriteItem, change: TensorCh
 
 def open_writer(storage: Storage, save: SavePlan, rank: int, pool: StagingPool,
                 executor: Executor) -> StepWriter:
-    """The writer of ``rank``'s chunks of the step (into its pack, for a delta)."""
-    return StepWriter(storage, f"{STEPS}/{save.attempt}", pool, executor,
-                      pack=pack_name(rank) if save.kind == Kind.DELTA else None)
+    """The writer of ``rank``'s chunks of the step, with its pack."""
+    return StepWriter(storage, f"{STEPS}/{save.attempt}", pool, executor, pack=pack_name(rank))
 
 
 def stage(writers: list[StepWriter], save: SavePlan, items: tuple[WriteItem, ...],
@@ -88,7 +89,12 @@ def stage(writers: list[StepWriter], save: SavePlan, items: tuple[WriteItem, ...
     """Stages every item (holding ``held`` rows or chunks, by tensor key and part path) into
     ``writers[0]``, and on the coordinator, which passes the global ``plan``, the step's metadata
     into ``writers[1]``; returns the items' change sets, hashes filled in. On failure every queued
-    write ends and every buffer goes back before the error propagates."""
+    write ends and every buffer goes back before the error propagates.
+
+    A base's packed parts come last: the pack's file keeps an I/O thread until the pack ends, and
+    the files of the large parts, queued before it, must not wait for a thread behind it."""
+    if save.kind == Kind.BASE:
+        items = tuple(sorted(items, key=lambda it: _packed(it, sizes)))
     try:
         if plan is not None:
             describe(writers[1], save, plan, sizes)
@@ -100,6 +106,13 @@ def stage(writers: list[StepWriter], save: SavePlan, items: tuple[WriteItem, ...
         for w in writers:
             w.abandon()
         raise
+
+
+def _packed(item: WriteItem, sizes: tuple[int, int]) -> bool:
+    """Whether a base's part lies in the pack (see :func:`deltackpt.format.encodings.in_pack`)."""
+    shape, itemsize = item.part.box.shape, item.tensor.element_size()
+    rows = shape[0] if shape else 1
+    return in_pack(shape, itemsize, FULL.chunk_shape(shape, itemsize, rows, sizes, None))
 
 
 def write(storage: Storage, writers: list[StepWriter]) -> WriteResult:

@@ -99,7 +99,7 @@ def test_corrupt_record_is_listed_as_corrupt(store, capsys):
 def test_verify_failure_exits_nonzero(store, capsys):
     with Checkpointer(store, create=False) as ckpt:
         m = ckpt.store.manifest(10)
-    os.remove(os.path.join(store, "steps", m.attempt, "model", "table", "c.0.0"))
+    os.remove(os.path.join(store, "steps", m.attempt, "pack.0", "c.0"))  # the small table's base
     code, out, _ = run(capsys, "verify", store)
     assert code == 1 and "missing" in out
 

@@ -93,12 +93,27 @@ def test_flipped_byte_in_a_packed_chunk(store):
 
 
 def test_deleted_chunk(store):
-    os.remove(chunk_file(store, 0, "bias", "c.0"))
+    os.remove(chunk_file(store, 0, "table", "c.1.0"))
     with Checkpointer(store, create=False) as ckpt:
         report = ckpt.verify()
         assert {(p.step, p.kind) for p in report.problems} == {(0, "missing"), (1, "chain")}
-        assert any(p.key.endswith("bias/c.0") for p in report.problems)
-        with pytest.raises(MissingChunkError, match="bias/c.0"):
+        assert any(p.key.endswith("table/c.1.0") for p in report.problems)
+        with pytest.raises(MissingChunkError, match="table/c.1.0"):
+            ckpt.load(0)
+
+
+def test_deleted_base_pack(store):
+    """The base's small tensor lies in its pack: without the pack, verify names the pack's
+    file, and a load refuses."""
+    with Checkpointer(store, create=False) as ckpt:
+        m = ckpt.store.manifest(0)
+    assert m.tensors["bias"].parts[0].pack == "pack.0" and m.tensors["table"].parts[0].pack is None
+    os.remove(os.path.join(store, "steps", m.attempt, "pack.0", "c.0"))
+    with Checkpointer(store, create=False) as ckpt:
+        report = ckpt.verify()
+        assert {(p.step, p.kind) for p in report.problems} == {(0, "missing"), (1, "chain")}
+        assert any(p.key.endswith("pack.0/c.0") for p in report.problems)
+        with pytest.raises(MissingChunkError, match="pack.0/c.0"):
             ckpt.load(0)
 
 

@@ -79,7 +79,7 @@ def saves_job(rank: int, world: int, root: str) -> dict:
 
 def comparable(m: Manifest) -> dict[str, Any]:
     """A record as a document, without what only real data decides: the attempts and time; data
-    chunks' checksums; in a delta, which chunks changed (only how many), chunk sizes and pack
+    chunks' and packs' checksums; in a delta, which chunks changed (only how many), chunk sizes and pack
     offsets (row ids are compressed) and the pack's file entries, which follow from them."""
     doc = json.loads(m.to_json())
     del doc["attempt"], doc["parent_attempt"], doc["created"]
@@ -92,6 +92,9 @@ def comparable(m: Manifest) -> dict[str, Any]:
     if m.kind == "delta":
         doc["packs"] = {k: sorted(files) for k, files in doc["packs"].items()}
         del doc["bytes_written"]
+    else:  # a base's small parts: the pack's size follows from them, its checksum from the data
+        doc["packs"] = {k: {n: e if n == "zarr.json" else e[0] for n, e in files.items()}
+                        for k, files in doc["packs"].items()}
     return doc
 
 

@@ -31,20 +31,23 @@ def test_base_arrays_and_delta_packs_read_with_zarr(store_path, dtype):
         vec[500] = ~vec[500] if dtype == torch.bool else 9
         ckpt.save(1, {"t": table, "v": vec, "s": torch.tensor(3, dtype=dtype)})
         attempt = lambda s: ckpt.store.manifest(s).attempt  # noqa: E731
-        m1 = ckpt.store.manifest(1)
-    assert int(read(store_path, 0, "s", attempt)) == (1 if dtype == torch.bool else 3)
-    # A delta's chunks lie back to back in its pack, which zarr reads as bytes.
+        m0, m1 = ckpt.store.manifest(0), ckpt.store.manifest(1)
+    # A delta's chunks, and a base's small parts, lie back to back in a pack, which zarr reads
+    # as bytes.
     pack = read(store_path, 1, "pack.0", attempt)
     assert set(m1.packs) == {"pack.0"} and pack.dtype == np.uint8
 
-    def chunk(key: str, name: str, np_dtype) -> np.ndarray:
-        size, _, at = m1.tensors[key].parts[0].chunks[name]
+    def chunk(key: str, name: str, np_dtype, m=m1, pack=pack) -> np.ndarray:
+        size, _, at = m.tensors[key].parts[0].chunks[name]
         data = pack[at : at + size].tobytes()
         if np_dtype in (np.int64, np.bool_, np.uint8):  # integer arrays are blosc-coded
             data = Blosc().decode(data)
         return np.frombuffer(data, np_dtype)
 
     np_dtype = table.numpy().dtype.type
+    assert m0.tensors["s"].parts[0].pack == "pack.0"  # one element: packed
+    got = chunk("s", "c", np_dtype, m0, read(store_path, 0, "pack.0", attempt))
+    np.testing.assert_array_equal(got, [1 if dtype == torch.bool else 3])
     np.testing.assert_array_equal(chunk("t", "ids/c.0", np.int64), [5, 900])
     np.testing.assert_array_equal(chunk("t", "rows/c.0.0", np_dtype).reshape(2, 3), table[[5, 900]].numpy())
     # A dense delta holds only the changed chunk.
@@ -61,7 +64,7 @@ def test_base_arrays_and_delta_packs_read_with_zarr(store_path, dtype):
 
 def test_bfloat16_is_stored_as_its_bits(store_path):
     w = torch.randn(10, 4).bfloat16()
-    with Checkpointer(store_path) as ckpt:
+    with Checkpointer(store_path, chunk_bytes=16) as ckpt:  # two rows a chunk: a zarr array
         ckpt.save(0, {"w": w})
         arr = zarr.open_array(os.path.join(store_path, "steps", ckpt.store.manifest(0).attempt, "w"))
     assert arr.dtype == np.uint16 and arr.attrs["torch_dtype"] == "bfloat16"

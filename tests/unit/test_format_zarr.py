@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 
@@ -20,12 +21,15 @@ def example() -> str:
 
 def test_zarr_python_reads_a_base_tensor_as_the_doc_says(tmp_path):
     torch.manual_seed(0)
-    state = {"model": {"emb.weight": torch.randn(1000, 16), "bias": torch.randn(7)},
-             "table": torch.randn(300, 4).bfloat16(), "ids": torch.arange(50)}
-    with Checkpointer(tmp_path / "s", chunk_bytes=1 << 14, memory_budget=1 << 16) as ckpt:
+    # Parts over 1 MiB are zarr arrays of their own; smaller ones are in the pack.
+    state = {"model": {"emb.weight": torch.randn(20000, 16), "bias": torch.randn(7)},
+             "table": torch.randn(300000, 4).bfloat16(), "ids": torch.arange(200000)}
+    with Checkpointer(tmp_path / "s", chunk_bytes=1 << 18, memory_budget=1 << 20) as ckpt:
         ckpt.save(5, state)
+    record = json.loads((tmp_path / "s" / "commits" / f"{5:020d}.json").read_bytes())
+    assert record["tensors"]["model/bias"]["parts"][0]["pack"] == "pack.0"
     for key, want in [("model/emb.weight", state["model"]["emb.weight"]),
-                      ("model/bias", state["model"]["bias"]), ("table", state["table"]), ("ids", state["ids"])]:
+                      ("table", state["table"]), ("ids", state["ids"])]:
         scope = {"root": str(tmp_path / "s"), "step": 5, "key": key}
         exec(example(), scope)
         got = torch.from_numpy(scope["value"])

@@ -20,10 +20,10 @@ from .base import (
     register,
     rows_per_chunk,
 )
-from .full import FULL, Full, write_block  # registered in this order: full, rows, qrows, chunks
+from .full import FULL, Full, in_pack, write_block  # registered in this order: full, rows, qrows, chunks
 from .rows import QRows, RowChunks, Rows
 from .chunks import Chunks
 
 __all__ = ["FULL", "Array", "ChunkSink", "ChunkSource", "Chunks", "Encoding", "Full", "Job",
-           "QRows", "RowChunks", "Rows", "choose", "dense_chunk_elems", "get", "register",
+           "QRows", "RowChunks", "Rows", "choose", "dense_chunk_elems", "get", "in_pack", "register",
            "rows_per_chunk", "write_block"]

@@ -94,10 +94,12 @@ class ChunkSink(Protocol):
 
     def put(self, key: str, path: str, name: str, data: torch.Tensor, pad: int, dtype: torch.dtype,
             release: Callable[[], None] | None = None, uncoded: bool = False,
-            hash_into: torch.Tensor | None = None) -> None:
+            hash_into: torch.Tensor | None = None, packed: bool | None = None) -> None:
         """Queues chunk ``name`` of a part: ``data`` then ``pad`` zero bytes, coded as an array of
         ``dtype`` is unless ``uncoded``; ``release`` runs once it is written. With ``hash_into``,
-        the hash of each of ``data``'s rows goes there first, on the write's thread."""
+        the hash of each of ``data``'s rows goes there first, on the write's thread. ``packed``:
+        into the writer's pack (copied before this returns), or a file of its own (None: into
+        the pack if the writer has one)."""
 
     def gather(self, flat: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
                hash_into: torch.Tensor | None) -> None:

@@ -22,6 +22,23 @@ if TYPE_CHECKING:
     from ..manifest import Manifest, PartRecord, TensorRecord
 
 
+# A base part of at most this many bytes that is one chunk goes into its writer's pack: a file
+# and a folder cost more than a small part's bytes (a base of 20,000 tensors of up to 4 KiB each
+# was 40,006 files).
+SMALL_PART_BYTES = 1 << 20
+
+
+def in_pack(shape: tuple[int, ...], itemsize: int, chunk_shape: tuple[int, ...]) -> bool:
+    """Whether a base part of ``shape`` (chunked by ``chunk_shape``) lies in its writer's pack:
+    one chunk of at most ``SMALL_PART_BYTES``, rather than a zarr array of its own.
+
+    Example:
+        >>> in_pack((16, 64), 4, (16, 64)), in_pack((16, 64), 4, (8, 64)), in_pack((), 8, ())
+        (True, False, True)
+    """
+    return math.prod(shape) * itemsize <= SMALL_PART_BYTES and (not shape or chunk_shape[0] >= shape[0])
+
+
 @register
 class Full(Encoding):
     """Every row of the part (its one element, for a 0-d part), in chunks of about
@@ -52,7 +69,11 @@ class Full(Encoding):
                chunk_shape: tuple[int, ...], *, row_offset: int = 0,
                hash_into: torch.Tensor | None = None, rule: Rowwise | None = None) -> None:
         """Copies ``t`` chunk by chunk into staging buffers, each written and given back on its
-        own (each row hashed into ``hash_into`` first, by the write threads, if given)."""
+        own (each row hashed into ``hash_into`` first, by the write threads, if given); a small
+        part (:func:`in_pack`) goes into the pack at once instead."""
+        if in_pack(tuple(t.shape), t.element_size(), chunk_shape):
+            write_block(sink, key, path, t, chunk_shape, hash_into=hash_into, packed=True)
+            return
         pool = sink.pool
         rows = t.shape[0] if t.dim() else 1
         flat = t.reshape(rows, math.prod(t.shape[1:]))  # -1 is ambiguous for a tensor without elements
@@ -74,7 +95,7 @@ class Full(Encoding):
                 raise
             write_block(sink, key, path, staged.view((hi - lo, *t.shape[1:]) if t.dim() else ()),
                         chunk_shape, first_chunk=i, release=partial(pool.release, buf),
-                        hash_into=None if hash_into is None else hash_into[lo:hi])
+                        hash_into=None if hash_into is None else hash_into[lo:hi], packed=False)
 
     def read(self, source: ChunkSource, m: Manifest, key: str, rec: TensorRecord, part: PartRecord,
              inter: Box, dest: torch.Tensor, box: Box, covers: Covers | None) -> list[Job]:
@@ -127,10 +148,11 @@ FULL = REGISTRY[Full.name]
 
 def write_block(sink: ChunkSink, key: str, path: str, t: torch.Tensor, chunk_shape: tuple[int, ...],
                 first_chunk: int = 0, release: Callable[[], None] | None = None,
-                hash_into: torch.Tensor | None = None) -> None:
+                hash_into: torch.Tensor | None = None, packed: bool | None = None) -> None:
     """Queues every chunk of ``t``, rows of a ``full`` part from chunk ``first_chunk`` on, already
     in memory that the writes may read; ``release`` runs once all of them are written. With
-    ``hash_into`` (int64, a slot a row), the write threads put each row's hash there first."""
+    ``hash_into`` (int64, a slot a row), the write threads put each row's hash there first.
+    ``packed``: as :meth:`ChunkSink.put` takes it."""
     rows = t.shape[0] if t.dim() else 1
     cr = chunk_shape[0] if chunk_shape else 1
     n = -(-rows // cr) if t.numel() else 0
@@ -154,4 +176,4 @@ def write_block(sink: ChunkSink, key: str, path: str, t: torch.Tensor, chunk_sha
         lo, hi = i * cr, min(rows, (i + 1) * cr)
         sink.put(key, path, chunk_key(first_chunk + i, t.dim()), flat[lo:hi],
                  (cr - (hi - lo)) * row_bytes, t.dtype, release=one_done,
-                 hash_into=None if hash_into is None else hash_into[lo:hi])
+                 hash_into=None if hash_into is None else hash_into[lo:hi], packed=packed)
