@@ -1,8 +1,8 @@
 """Reading a stored chunk or file, checked against its commit record before its bytes are used.
 
-A chunk is a file of its part's folder, or (in a delta) a byte range of its step's pack, which
-may span several of the pack's files. Sizes are checked before anything is allocated for them,
-and every byte read is checked against the record's xxh3-64 checksum.
+A chunk is a file of its part's folder, or (in a delta, or for a base's small part) a byte range
+of its step's pack, which may span several of the pack's files. Sizes are checked before anything
+is allocated for them, and every byte read is checked against the record's xxh3-64 checksum.
 """
 
 from __future__ import annotations
