@@ -8,6 +8,7 @@ single-threaded kernel on the I/O threads keeps every thread a save uses in one 
 
 from __future__ import annotations
 
+import atexit
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -85,7 +86,12 @@ _warming: list[threading.Thread] = []
 
 def warm_kernels() -> None:
     """Compiles the hash and mark kernels once per process, on a background thread, so the first
-    save does not wait for the compiler (it waits for this thread only if it is still running)."""
+    save does not wait for the compiler (it waits for this thread only if it is still running).
+
+    The interpreter's exit waits for the thread: left running, its parallel kernels' worker
+    threads outlive the interpreter, and the process may abort at exit ("terminate called without
+    an active exception", status 134; 6 of 12 processes that exited right after starting it)."""
     if not _warming:
         _warming.append(threading.Thread(target=kernels.warm, name="deltackpt-warm", daemon=True))
         _warming[0].start()
+        atexit.register(_warming[0].join)
