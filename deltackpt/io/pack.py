@@ -13,7 +13,6 @@ bounded by the staging pool however long the pack grows.
 from __future__ import annotations
 
 import queue
-import threading
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np

@@ -5,7 +5,6 @@ changed without a lookup."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import trec_model as tm
 from dist_harness import check_ok, run_ranks
