@@ -109,6 +109,29 @@ def race_save(path: str, barrier: Any, step: int, out: str,
     _report(out, job)
 
 
+def take_over_race(path: str, racers: int, folder: Path, step: int,
+                   storage_options: dict | None = None) -> None:
+    """Runs ``racers`` processes of :func:`race_save` at once against the store at ``path`` and
+    checks that exactly one commits ``step`` and every other gets a ``WriterConflictError``."""
+    ctx = context()
+    barrier = ctx.Barrier(racers)
+    outs = [str(folder / f"race.{i}.json") for i in range(racers)]
+    procs = [ctx.Process(target=race_save, args=(path, barrier, step, out, storage_options))
+             for out in outs]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+        assert p.exitcode == 0
+    results = [result(out) for out in outs]
+    winners = [r["ok"] for r in results if "ok" in r]
+    assert len(winners) == 1, results
+    for r in results:
+        if "ok" not in r:
+            assert r["error"] == "WriterConflictError", r
+            assert winners[0] in r["message"] or "unknown" in r["message"], r
+
+
 def save_steps(path: str, steps: list[int], out: str, pause: Pause | list[Pause] | None = None,
                restore: int | None = None, take_over: bool = False, ttl: float = lease.DEFAULT_TTL,
                host: str | None = None, then_sleep: float = 0.0,

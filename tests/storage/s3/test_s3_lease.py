@@ -110,23 +110,7 @@ def test_the_lease_of_a_job_killed_elsewhere_is_taken_after_its_ttl(s3_url, s3_o
 def test_take_over_race_has_one_winner_and_fences_the_hung_job(s3_url, s3_options, tmp_path):
     hung = Checkpointer(s3_url, storage_options=s3_options, **lease_procs.SMALL)
     hung.save(1, state_at(1))  # holds the lease, renewed by its thread
-    ctx = lease_procs.context()
-    barrier = ctx.Barrier(RACERS)
-    outs = [str(tmp_path / f"race.{i}.json") for i in range(RACERS)]
-    procs = [ctx.Process(target=lease_procs.race_save, args=(s3_url, barrier, 2, out, s3_options))
-             for out in outs]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-        assert p.exitcode == 0
-    results = [result(out) for out in outs]
-    winners = [r["ok"] for r in results if "ok" in r]
-    assert len(winners) == 1, results
-    for r in results:
-        if "ok" not in r:
-            assert r["error"] == "WriterConflictError", r
-            assert winners[0] in r["message"] or "unknown" in r["message"], r
+    lease_procs.take_over_race(s3_url, RACERS, tmp_path, 2, s3_options)
     with pytest.raises(WriterConflictError, match="taken over"):
         hung.save(3, state_at(3))
     hung.close()
