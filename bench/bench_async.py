@@ -123,19 +123,16 @@ def main() -> None:
             path = os.path.join(root, f"r{r}-{blocking}")
             with Checkpointer(path, base_every=1000) as ckpt:
                 ckpt.track(model, prefix="model", optimizer=opt)
-                t0 = time.perf_counter()
-                out = ckpt.save(step + 1, state, blocking=blocking)
-                blocked = time.perf_counter() - t0
-                info = out if blocking else out.result()
-                note(f"base {'blocking' if blocking else 'background'}: blocked s", blocked)
-                note(f"base {'blocking' if blocking else 'background'}: to commit s", info.seconds)
-                train_step(model, opt, args.rows, touched, gen)
-                t0 = time.perf_counter()
-                out = ckpt.save(step + 2, state, blocking=blocking)
-                blocked = time.perf_counter() - t0
-                info = out if blocking else out.result()
-                note(f"1% delta {'blocking' if blocking else 'background'}: blocked s", blocked)
-                note(f"1% delta {'blocking' if blocking else 'background'}: to commit s", info.seconds)
+                for what, at in (("base", step + 1), ("1% delta", step + 2)):
+                    if what != "base":
+                        train_step(model, opt, args.rows, touched, gen)
+                    t0 = time.perf_counter()
+                    out = ckpt.save(at, state, blocking=blocking)
+                    blocked = time.perf_counter() - t0
+                    info = out if blocking else out.result()
+                    mode = "blocking" if blocking else "background"
+                    note(f"{what} {mode}: blocked s", blocked)
+                    note(f"{what} {mode}: to commit s", info.seconds)
                 if not blocking:
                     t0 = time.perf_counter()
                     for _ in range(args.steps):
