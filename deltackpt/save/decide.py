@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
 
 import torch
 
 from ..format import dtypes
 from ..format.manifest import Manifest
-from ..ops.lease import Holding
 from ..policy import BasePolicy, ChainState
 from ..quantization import Choice
 from ..store import Store
@@ -20,15 +20,17 @@ from .types import Kind, SavePlan
 
 def decide(policy: BasePolicy, head: Manifest | None, chain: ChainState, plan: GlobalPlan,
            scans: list[PartScan], *, step: int, attempt: str, store: Store | None = None,
-           lease: Holding | None = None, quantize: Mapping[str, Choice] | None = None) -> SavePlan:
+           published: Future[None] | None = None, quantize: Mapping[str, Choice] | None = None
+           ) -> SavePlan:
     """Base or delta by the policy, and why; a delta quantizes the tensors ``quantize`` names.
 
-    First the lease names ``head`` and ``attempt`` (GC keeps both from then on, see
-    :mod:`deltackpt.ops.gc`); then a head that is gone from the store (removed by GC before, or
-    withdrawn by a writer that lost the lease) makes the save a base. Without ``store`` and
-    ``lease`` (a simulation of the control plane) neither happens."""
-    if lease is not None:
-        lease.publish(None if head is None else (head.step, head.attempt), attempt)
+    First ``published`` ends: the lease names ``head`` and ``attempt`` (GC keeps both from then
+    on, see :mod:`deltackpt.ops.gc`; the saver starts that write while the ranks scan, and its
+    error, such as WriterConflictError, is raised here). Then a head that is gone from the store
+    (removed by GC before, or withdrawn by a writer that lost the lease) makes the save a base.
+    Without ``store`` and ``published`` (a simulation of the control plane) neither happens."""
+    if published is not None:
+        published.result()
     kind: Kind
     if head is not None and store is not None and not store.holds(head.step, head.attempt):
         kind, reason = Kind.BASE, (f"step {head.step}, which the delta would apply to, is gone "

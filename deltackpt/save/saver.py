@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future, wait
 from functools import partial
 from typing import Any
 
@@ -82,19 +82,25 @@ class Saver:
         coordinator = self._coll.is_coordinator
         plan = self._planner.plan if coordinator else None  # only the coordinator holds it
         everyone: list[PartScan] = []  # the coordinator's: every rank's scans, for the record
+        attempt = self.store.new_attempt(step)  # used on the coordinator only
+        published = self._publish(attempt) if coordinator else None
 
         def decide_now(scans: list[list[PartScan]]) -> SavePlan:
             plan = self._planner.plan  # on the coordinator
             everyone.extend(s for per_rank in scans for s in per_rank)
             return decide(self.policy, self._head, self._chain, plan, everyone, step=step,
-                          attempt=self.store.new_attempt(step), store=self.store,
-                          lease=self._lease.hold(), quantize=self._quantize.choices(plan.tensors))
+                          attempt=attempt, store=self.store, published=published,
+                          quantize=self._quantize.choices(plan.tensors))
 
         def scan_here() -> tuple[list[PartScan], tuple[list[PartScan], Mapping[str, TensorChange]]]:
             scans, changes = scan(self._tracker, items, self._quantize)
             return scans, (scans, changes)
 
-        save, (mine, changes) = self._coll.gather("scan", scan_here, decide_now, then_phase="decide")
+        try:
+            save, (mine, changes) = self._coll.gather("scan", scan_here, decide_now, then_phase="decide")
+        finally:
+            if published is not None:
+                wait([published])  # never left running behind a failed save
         writers = [open_writer(storage, save, self._coll.rank, self._pool, self._executor)]
         if coordinator:
             writers.append(StepWriter(storage, f"{STEPS}/{save.attempt}", self._pool, self._executor))
@@ -112,6 +118,13 @@ class Saver:
             staged = self._tracker.hash_whole(tensors, staged)
         record = partial(self._commit, save, everyone)
         return partial(self._write_and_commit, save, record, writers, tensors, staged, t0)
+
+    def _publish(self, attempt: str) -> Future[None]:
+        """Coordinator: starts writing the head and ``attempt`` into the lease on an I/O thread,
+        so that the write overlaps the scan; ``decide`` waits for it before any data is written."""
+        holding = self._lease.hold()
+        head = None if self._head is None else (self._head.step, self._head.attempt)
+        return self._executor.submit(holding.publish, head, attempt)
 
     def _write_and_commit(self, save: SavePlan, record: Callable[[list[WriteResult]], Committed],
                           writers: list[StepWriter], tensors: dict[str, torch.Tensor],
