@@ -14,7 +14,7 @@ torch's prepack ops encode 2-8 times faster on one core, but are not used: their
 quantizer divides by ``range + 1e-8``, so a row whose range is near 1e-8 or below never reaches
 its top code, and on U(0, 1e-6) rows their worst error is 6.3 times the bound (``bench_quant.py``
 prints it); ours meets 2 GB/s a core, the goal, and its bound holds for every row. Their unpack
-ops read this layout, and decode about as fast as ours.
+ops read this layout, but decode slower than ours (``bench_quant.py`` prints both).
 
 Each row's bound is returned with it: every dequantized element lies within it of the input (see
 :mod:`deltackpt.kernels.rowwise_reference`). Rows with inf or NaN, or past float16's range with

@@ -155,14 +155,34 @@ def _quantize(x, bits, adaptive, half, out_eps, codes, scales, biases, bounds):
 
 @njit(parallel=True, cache=True, nogil=True)
 def _dequantize(codes, scales, biases, bits, out):
-    per = 8 // bits
-    mask = (1 << bits) - 1
+    # Unrolled per bit width and indexed unsigned, as _pack: a generic loop over the codes of a
+    # byte (``j // per``, ``j % per``) ran at 1 GB/s, these at memory speed.
+    width = out.shape[1]
     for i in prange(out.shape[0]):
         scale = float32(scales[i])
         bias = float32(biases[i])
-        for j in range(out.shape[1]):
-            q = (codes[i, j // per] >> ((j % per) * bits)) & mask
-            out[i, j] = float32(q) * scale + bias
+        cr = codes[i]
+        orow = out[i]
+        if bits == 8:
+            for j in range(width):
+                orow[uint64(j)] = float32(cr[uint64(j)]) * scale + bias
+            continue
+        per = 8 // bits
+        full = width // per
+        for k in range(full):
+            b = cr[uint64(k)]
+            p = uint64(k * per)
+            if bits == 4:
+                orow[p] = float32(b & uint8(15)) * scale + bias
+                orow[p + uint64(1)] = float32(b >> uint8(4)) * scale + bias
+            else:
+                orow[p] = float32(b & uint8(3)) * scale + bias
+                orow[p + uint64(1)] = float32((b >> uint8(2)) & uint8(3)) * scale + bias
+                orow[p + uint64(2)] = float32((b >> uint8(4)) & uint8(3)) * scale + bias
+                orow[p + uint64(3)] = float32(b >> uint8(6)) * scale + bias
+        for t in range(width - full * per):
+            q = (cr[uint64(full)] >> uint8(t * bits)) & uint8((1 << bits) - 1)
+            orow[uint64(full * per + t)] = float32(q) * scale + bias
 
 
 def quantize(x: np.ndarray, bits: int, adaptive: bool, half: bool, out_eps: float) -> tuple[
