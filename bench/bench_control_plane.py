@@ -3,7 +3,7 @@
 Drives the package's own control-plane code for every simulated rank, without processes or I/O:
 ``plan_local`` on every rank's state (tensors allocated but never filled), the coordinator's
 ``GlobalPlanner``, ``write_items``, ``summarize`` (scan summaries), ``decide``,
-``build_manifest`` and ``Manifest.to_json``, then ``Manifest.from_json`` as a restore or
+``build_manifest`` and ``Manifest.to_json``, then ``parse_manifest`` as a restore or
 ``load`` parses and validates the record. What the writers would have written is made up from
 the plan (chunk sizes exact, coded chunks at their largest size, data chunk checksums
 stand-ins); the metadata files' entries are real.
@@ -41,6 +41,7 @@ from deltackpt.format.encodings import FULL, choose, dense_chunk_elems, in_pack
 from deltackpt.format.layout import pack_name
 from deltackpt.format.limits import BLOSC_HEADER
 from deltackpt.format.manifest import ChunkMap, Manifest
+from deltackpt.format.record_checks import parse_manifest
 from deltackpt.format.zarr_meta import array_doc
 from deltackpt.policy import BasePolicy, ChainState, EveryK
 from deltackpt.save.commit import build_manifest
@@ -318,7 +319,7 @@ def simulate(world: int, state_of: StateOf, *, changed: Changed, sizes: tuple[in
         rows = sum(r.changed for r in record.tensors.values() if len(r.shape) >= 2)
         _broadcast(run, f"{step}: commit", Committed(record.bytes_written, record.state_bytes, rows), 0.0)
         del results, scans, everyone, items, locals_, sent
-        parsed, s = _timed(lambda: Manifest.from_json(data, f"commits/{step}"))
+        parsed, s = _timed(lambda: parse_manifest(data, f"commits/{step}"))
         run.add(Phase(f"{step}: from_json (restore, load)", "every reader", s, 0.0, 0, len(data)))
         run.records.append(parsed)
         run.record_bytes.append(len(data))

@@ -22,6 +22,7 @@ from .errors import (
 from .format.layout import BASES, COMMITS, RECORD_NAME, STEPS, base_key, commit_key
 from .format.limits import MAX_RECORD_BYTES, MAX_STEP
 from .format.manifest import FORMAT, Manifest
+from .format.record_checks import parse_manifest
 from .format.zarr_meta import group_doc
 from .storage import Storage
 
@@ -86,7 +87,7 @@ class Store:
             data = self._read_small(key)
         except FileNotFoundError:
             return None
-        m = Manifest.from_json(data, key)
+        m = parse_manifest(data, key)
         if m.step != step or m.compacts is None:
             raise ManifestError(f"{key}: is not a compacted base of step {step}")
         self._bases[step] = m
@@ -106,7 +107,7 @@ class Store:
             data = self._read_small(key)
         except FileNotFoundError:
             raise StepNotFoundError(step, self.steps()) from None
-        m = Manifest.from_json(data, key)
+        m = parse_manifest(data, key)
         if m.step != step:
             raise ManifestError(f"{key}: records step {m.step}, not {step}")
         self._manifests[step] = m

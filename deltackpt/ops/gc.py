@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from . import lease
 from ..errors import ManifestError, SettingError, StepNotFoundError
 from ..format.manifest import Manifest
+from ..format.record_checks import parse_manifest
 from ..format.layout import BASES, COMMITS, STEPS, base_key, commit_key
 from ..store import Store
 
@@ -188,7 +189,7 @@ def _chain_of(store: Store, head: tuple[int, str], deleted: dict[str, bytes]) ->
     def record(key: str) -> Manifest | None:
         try:
             data = deleted[key] if key in deleted else store.storage.read(key)
-            return Manifest.from_json(data, key)
+            return parse_manifest(data, key)
         except (FileNotFoundError, ManifestError):
             return None
 

@@ -20,7 +20,7 @@ import torch
 
 from ..checkpointer import Checkpointer, SaveInfo
 from ..errors import ConvertError
-from ..format.manifest import _check_tree
+from ..format.record_checks import check_tree
 from ..storage import Storage
 from .dcp import METADATA, read_dcp
 
@@ -93,7 +93,7 @@ def _read_safetensors(src: str) -> dict[str, Any]:
         return tensors
     try:
         node = json.loads(tree)
-        _check_tree(node, dict.fromkeys(tensors), "deltackpt.tree", 0)  # type: ignore[arg-type]
+        check_tree(node, dict.fromkeys(tensors), "deltackpt.tree", 0)  # type: ignore[arg-type]
         (kind, _), = node.items()
         if kind != "dict":
             raise ValueError("the state is not a dict")

@@ -131,14 +131,9 @@ def test_the_cycle_finder_finds_a_cycle():
     assert strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"], ["d"]]
 
 
-# The commit record is being split into a small root record and part tables; until then it
-# is the one module allowed over the limit.
-SPLITTING = {"deltackpt.format.manifest": 460}
-
-
 def test_modules_stay_small():
     big = {n: len(p.read_text().splitlines()) for n, p in modules().items()}
-    assert not {n: k for n, k in big.items() if k > SPLITTING.get(n, 400)}, "modules over 400 lines"
+    assert not {n: k for n, k in big.items() if k > 400}, "modules over 400 lines"
 
 
 def test_the_package_is_typed_and_installed_whole():

@@ -1,0 +1,283 @@
+"""Parsing and checking a commit record read from a store.
+
+A record is untrusted (see :mod:`deltackpt.format.limits` and :mod:`deltackpt.format.grid`):
+parsing is strict, a record that breaks the format raises :class:`ManifestError` naming the
+record and the field, never a deep traceback, and no size read from a record is trusted for an
+allocation before it is checked against the shape.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+from ..collector import paused
+from ..errors import ManifestError, StateError
+from ..quantization import QuantizationError, Rowwise
+from ..sharding import check_tiling
+from . import dtypes, encodings
+from .encodings import Encoding
+from .grid import check_chunks, check_pack
+from .limits import MAX_DEPTH, MAX_STEP, key_problem, unique_keys
+from .lossy import Lossy
+from .manifest import FORMATS, KINDS, LOSSY_FORMAT, ChunkMap, Manifest, PartRecord, TensorRecord
+
+
+@paused()
+def parse_manifest(data: bytes, where: str) -> Manifest:
+    """Parses and validates a record; ``where`` names it in errors."""
+    try:
+        doc = json.loads(data, parse_constant=_reject_constant, object_pairs_hook=unique_keys)
+    except (ValueError, RecursionError) as e:
+        raise ManifestError(f"{where}: not valid JSON ({e})") from None
+    return _parse(doc, where)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _field(doc: dict[str, Any], name: str, kinds: type | tuple[type, ...], where: str) -> Any:
+    if name not in doc:
+        raise ManifestError(f"{where}: field {name!r} is missing")
+    value = doc[name]
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in _tuple(kinds)):
+        raise ManifestError(f"{where}: field {name!r} has a bad value {value!r:.80}")
+    return value
+
+
+def _tuple(kinds: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kinds if isinstance(kinds, tuple) else (kinds,)
+
+
+def _optional_count(doc: dict[str, Any], name: str, where: str) -> int | None:
+    if doc.get(name) is None:
+        if name not in doc:
+            raise ManifestError(f"{where}: field {name!r} is missing")
+        return None
+    return _count(doc, name, where)
+
+
+def _count(doc: dict[str, Any], name: str, where: str) -> int:
+    value: int = _field(doc, name, int, where)
+    if value < 0 or value > MAX_STEP:
+        raise ManifestError(f"{where}: field {name!r} is out of range: {value}")
+    return value
+
+
+def _parse(doc: Any, where: str) -> Manifest:
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{where}: a commit record must be a JSON object")
+    fmt = _field(doc, "format", int, where)
+    if fmt not in FORMATS:
+        raise ManifestError(f"{where}: format {fmt} is not supported (this version reads {FORMATS})")
+    kind = _field(doc, "kind", str, where)
+    if kind not in KINDS:
+        raise ManifestError(f"{where}: field 'kind' must be one of {KINDS}, got {kind!r}")
+    packs = {}
+    for name, files in _field(doc, "packs", dict, where).items():
+        if not isinstance(files, dict) or not _PACK.match(name) or "c.0" not in files:
+            raise ManifestError(f"{where}: pack {name!r:.40} has a bad entry {files!r:.80}")
+        packs[name] = _chunk_map(files, f"{where}: pack {name!r}", packed=False)
+        check_pack(packs[name], f"{where}: pack {name!r}")
+    tensors = {}
+    for key, rec in _field(doc, "tensors", dict, where).items():
+        if (why := key_problem(key)) is not None:
+            raise ManifestError(f"{where}: tensor key {key!r:.200} is no folder name: {why}")
+        tensors[key] = _parse_tensor(rec, packs, fmt, f"{where}: tensor {key!r}")
+    created = _field(doc, "created", (int, float), where)
+    if not math.isfinite(created):
+        raise ManifestError(f"{where}: field 'created' has a bad value {created!r}")
+    m = Manifest(
+        step=_count(doc, "step", where),
+        kind=kind,
+        attempt=_field(doc, "attempt", str, where),
+        parent=_optional_count(doc, "parent", where),
+        parent_attempt=_field(doc, "parent_attempt", (str, type(None)), where),
+        base=_count(doc, "base", where),
+        chain_length=_count(doc, "chain_length", where),
+        world_size=_count(doc, "world_size", where),
+        created=float(created),
+        policy=_field(doc, "policy", dict, where),
+        tree=_field(doc, "tree", dict, where),
+        tensors=tensors,
+        packs=packs,
+        bytes_written=_count(doc, "bytes_written", where),
+        state_bytes=_count(doc, "state_bytes", where),
+        compacts=_field(doc, "compacts", (str, type(None)), where),
+        quantize=_field(doc, "quantize", (dict, type(None)), where) if fmt == LOSSY_FORMAT else None,
+        format=fmt,
+    )
+    if fmt == LOSSY_FORMAT:
+        if _field(doc, "lossy", bool, where) != m.lossy:
+            raise ManifestError(f"{where}: field 'lossy' disagrees with the tensors' records")
+        _check_quantize(m.quantize, m.tensors, where)
+    if m.compacts is not None and m.kind != "base":
+        raise ManifestError(f"{where}: only a base can stand in for a step ('compacts')")
+    check_tree(m.tree, m.tensors, f"{where}: field 'tree'", 0)
+    if "/" in m.attempt or m.attempt in ("", ".", ".."):
+        raise ManifestError(f"{where}: field 'attempt' has a bad value {m.attempt!r}")
+    if (m.kind == "base") != (m.parent is None) or (m.kind == "base") != (m.base == m.step):
+        raise ManifestError(f"{where}: kind {m.kind!r} disagrees with parent {m.parent} / base {m.base}")
+    if m.parent is not None and not m.base <= m.parent < m.step:
+        raise ManifestError(f"{where}: parent {m.parent} must lie in [base {m.base}, step {m.step})")
+    return m
+
+
+def check_tree(node: Any, tensors: dict[str, TensorRecord], where: str, depth: int) -> None:
+    """Checks a state skeleton (see deltackpt.statetree): well-formed nodes, known tensors."""
+    if depth > MAX_DEPTH:
+        raise ManifestError(f"{where}: nested deeper than {MAX_DEPTH}")
+    if not isinstance(node, dict) or len(node) != 1:
+        raise ManifestError(f"{where}: a node must be an object with one field, got {node!r:.80}")
+    (kind, body), = node.items()
+    if kind == "tensor":
+        if not isinstance(body, str) or body not in tensors:
+            raise ManifestError(f"{where}: tensor {body!r:.80} is not in 'tensors'")
+    elif kind == "float":
+        if body not in ("nan", "inf", "-inf"):
+            raise ManifestError(f"{where}: bad float {body!r:.80}")
+    elif kind == "value":
+        if not (body is None or isinstance(body, (bool, int, float, str))):
+            raise ManifestError(f"{where}: bad value {body!r:.80}")
+    elif kind == "dict":
+        if not isinstance(body, list) or any(
+            not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], (str, int))
+            or isinstance(item[0], bool)
+            for item in body
+        ):
+            raise ManifestError(f"{where}: bad dict node {body!r:.80}")
+        for k, child in body:
+            check_tree(child, tensors, f"{where}/{k}", depth + 1)
+    elif kind in ("list", "tuple"):
+        if not isinstance(body, list):
+            raise ManifestError(f"{where}: bad {kind} node {body!r:.80}")
+        for i, child in enumerate(body):
+            check_tree(child, tensors, f"{where}/{i}", depth + 1)
+    else:
+        raise ManifestError(f"{where}: unknown node kind {kind!r:.80}")
+
+
+def _check_quantize(doc: dict[str, Any] | None, tensors: dict[str, TensorRecord], where: str) -> None:
+    if doc is None:
+        return
+    _count(doc, "restores", f"{where}: field 'quantize'")
+    for key, choice in _field(doc, "tensors", dict, f"{where}: field 'quantize'").items():
+        if key not in tensors or not isinstance(choice, dict) or not all(
+                isinstance(choice.get(f), str) for f in ("pattern", "scheme", "reason")):
+            raise ManifestError(f"{where}: field 'quantize' has a bad entry for {key!r:.80}")
+
+
+def _parse_lossy(doc: Any, encoding: Encoding, where: str) -> Lossy:
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{where}: field 'lossy' must be a JSON object")
+    scheme = _field(doc, "scheme", (str, type(None)), where)
+    bounds = []
+    for name in ("bound", "chain_bound"):
+        v = _field(doc, name, (int, float), where)
+        if not (math.isfinite(v) and v >= 0):
+            raise ManifestError(f"{where}: field {name!r} has a bad value {v!r}")
+        bounds.append(float(v))
+    if (scheme is not None) != encoding.quantized or bounds[0] > bounds[1]:
+        raise ManifestError(f"{where}: lossy scheme {scheme!r:.40} with encoding {encoding!r}, bound "
+                            f"{bounds[0]} and chain bound {bounds[1]} disagree")
+    if scheme is not None:
+        try:
+            Rowwise.from_scheme(scheme)
+        except QuantizationError as e:
+            raise ManifestError(f"{where}: {e}") from None
+    return Lossy(scheme, bounds[0], bounds[1])
+
+
+def _parse_tensor(rec: Any, packs: dict[str, ChunkMap], fmt: int, where: str) -> TensorRecord:
+    if not isinstance(rec, dict):
+        raise ManifestError(f"{where}: must be a JSON object")
+    shape = _dims(rec, "shape", where)
+    if math.prod(shape) >= 2**62:
+        raise ManifestError(f"{where}: shape {shape} is too large")
+    encoding = encodings.get(_field(rec, "encoding", str, where), where)
+    dtype = _field(rec, "dtype", str, where)
+    if dtype not in dtypes.NAMES:
+        raise ManifestError(f"{where}: unknown dtype {dtype!r:.40}")
+    parts = tuple(
+        _parse_part(p, shape, encoding, packs, f"{where} part {i}")
+        for i, p in enumerate(_field(rec, "parts", list, where))
+    )
+    if len({p.path for p in parts}) != len(parts) or ("" in {p.path for p in parts} and len(parts) > 1):
+        raise ManifestError(f"{where}: part paths must be distinct, and '' only for a single part")
+    if encoding.whole:
+        try:
+            check_tiling(where, tuple(shape), [p.box for p in parts])
+        except StateError as e:
+            raise ManifestError(str(e)) from None
+    lossy = None
+    if fmt == LOSSY_FORMAT and rec.get("lossy") is not None:
+        lossy = _parse_lossy(rec["lossy"], encoding, where)
+    why = encoding.record_problem(dtype, lossy)
+    if why is not None:
+        raise ManifestError(f"{where}: {why}")
+    tensor = TensorRecord(dtype=dtype, shape=tuple(shape), encoding=encoding, parts=parts, lossy=lossy)
+    for i, part in enumerate(parts):
+        check_chunks(tensor, part, f"{where} part {i}")
+    return tensor
+
+
+def _dims(doc: dict[str, Any], name: str, where: str) -> tuple[int, ...]:
+    dims = _field(doc, name, list, where)
+    if any(not isinstance(d, int) or isinstance(d, bool) or not 0 <= d < 2**62 for d in dims):
+        raise ManifestError(f"{where}: field {name!r} has a bad value {dims!r:.80}")
+    return tuple(dims)
+
+
+def _parse_part(rec: Any, shape: tuple[int, ...], encoding: Encoding,
+                packs: dict[str, ChunkMap], where: str) -> PartRecord:
+    if not isinstance(rec, dict):
+        raise ManifestError(f"{where}: must be a JSON object")
+    offset, pshape = _dims(rec, "offset", where), _dims(rec, "shape", where)
+    chunk_shape = _dims(rec, "chunk_shape", where)
+    path = _field(rec, "path", str, where)
+    if path and (path[0] != "p" or not path[1:].isdigit()):
+        raise ManifestError(f"{where}: field 'path' has a bad value {path!r:.40}")
+    if not len(offset) == len(pshape) == len(shape) or any(
+        o + n > s for o, n, s in zip(offset, pshape, shape)
+    ):
+        raise ManifestError(f"{where}: box at {list(offset)} of {list(pshape)} is outside {list(shape)}")
+    changed = _count(rec, "changed", where)
+    if not encoding.fits(chunk_shape, pshape, changed) or any(d < 1 for d in chunk_shape):
+        raise ManifestError(f"{where}: chunk_shape {list(chunk_shape)} does not fit shape "
+                            f"{list(pshape)} and encoding {encoding!r}")
+    pack = _field(rec, "pack", (str, type(None)), where)
+    if pack is not None and pack not in packs:
+        raise ManifestError(f"{where}: pack {pack!r:.40} is not in 'packs'")
+    chunks = _chunk_map(_field(rec, "chunks", dict, where), where, packed=pack is not None)
+    if pack is not None:
+        files = packs[pack]
+        room = files["c.0"][0] * sum(name.startswith("c.") for name in files)
+        for key, (size, _, at) in chunks.items():
+            if at + size > room:
+                raise ManifestError(f"{where}: chunk {key!r} at {at} of {size} B lies outside "
+                                    f"{pack} ({room} B)")
+    return PartRecord(offset, pshape, path, chunk_shape, changed, chunks, pack)
+
+
+_PACK = re.compile(r"^pack\.\d+$")
+
+
+def _chunk_map(doc: dict[str, Any], where: str, *, packed: bool) -> dict[str, Any]:
+    """File or chunk entries: ``[size, xxh3_64_hex]``, plus the offset in the pack if ``packed``."""
+    chunks = {}
+    for key, entry in doc.items():
+        ok = (
+            isinstance(entry, list)
+            and len(entry) == 2 + packed
+            and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**62
+                    for n in entry[:1] + entry[2:])
+            and isinstance(entry[1], str)
+            and len(entry[1]) == 16
+        )
+        if not ok or ".." in key.split("/") or key.startswith("/"):
+            raise ManifestError(f"{where}: chunk {key!r} has a bad entry {entry!r:.80}")
+        chunks[key] = tuple(entry)
+    return chunks
