@@ -48,9 +48,10 @@ class DLRM(nn.Module):
         return self.dense(torch.cat([self.sparse(kjt).values(), x], dim=1)).squeeze(1)
 
 
-def build(plan: str, *, seed: int = 0, tracker: bool = False):
+def build(plan: str, *, seed: int = 0, tracker: bool = False, dtensor: bool = False):
     """(dmp, dense optimizer) on this rank, under plan ``plan``; ``tracker`` adds TorchRec's
-    ModelDeltaTracker (ID_ONLY)."""
+    ModelDeltaTracker (ID_ONLY); ``dtensor``: state dicts hold DTensors (``output_dtensor``)
+    instead of ShardedTensors."""
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -84,7 +85,8 @@ def build(plan: str, *, seed: int = 0, tracker: bool = False):
     for p in module_plan.values():
         p.compute_kernel = "fused"
     kwargs = {}
-    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
+    env = ShardingEnv(world, dist.get_rank(), dist.group.WORLD, output_dtensor=dtensor)
+    dmp = DistributedModelParallel(model, env=env,
                                    device=torch.device("cpu"), plan=ShardingPlan({"sparse": module_plan}),
                                    sharders=[EmbeddingBagCollectionSharder()], **kwargs)
     if tracker:
@@ -128,14 +130,25 @@ def local_values(dmp) -> dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]:
     state dicts: (global offsets, a copy) by key, the optimizer's under ``optim/<fqn>/<name>``."""
     out = {}
     for key, st in dmp.state_dict().items():
-        shards = st.local_shards() if hasattr(st, "local_shards") else []
-        out[f"model/{key}"] = [(tuple(s.metadata.shard_offsets), s.tensor.clone()) for s in shards] \
-            if hasattr(st, "local_shards") else [((0,) * st.dim(), st.clone())]
+        out[f"model/{key}"] = _shards(st) if _sharded(st) else [((0,) * st.dim(), st.clone())]
     for fqn, entries in dmp.fused_optimizer.state_dict()["state"].items():
         for name, st in entries.items():
-            out[f"optim/{fqn}/{name}"] = [(tuple(s.metadata.shard_offsets), s.tensor.clone())
-                                          for s in st.local_shards()]
+            out[f"optim/{fqn}/{name}"] = _shards(st)
     return out
+
+
+def _sharded(st) -> bool:
+    return hasattr(st, "local_shards") or hasattr(st, "to_local")
+
+
+def _shards(st) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """(global offsets, a copy) of each local shard of a ShardedTensor or of a DTensor over
+    TorchRec's LocalShardsWrapper, read through TorchRec's own accessors."""
+    if hasattr(st, "local_shards"):
+        return [(tuple(s.metadata.shard_offsets), s.tensor.clone()) for s in st.local_shards()]
+    local = st.to_local()
+    return [(tuple(int(o) for o in offset), t.clone())
+            for t, offset in zip(local.local_shards(), local.local_offsets())]
 
 
 def check_against(loaded: dict, values: dict) -> int:

@@ -6,15 +6,17 @@ Every rank passes its DMP and its ``dmp.fused_optimizer`` as they are::
     ckpt.save(step, {"model": dmp, "optim": dmp.fused_optimizer, "step": step})
     ckpt.restore({"model": dmp, "optim": dmp.fused_optimizer, "step": 0})
 
-What they become (this module; :mod:`deltackpt.statetree` and :mod:`deltackpt.restoring` call it
+What they become (this module; :mod:`deltackpt.statetree` and :mod:`deltackpt.restore.planning` call it
 for any object from a ``torchrec`` module):
 
-* The model: its ``state_dict()``. Each ``ShardedTensor`` table becomes a :class:`Shard` in global
+* The model: its ``state_dict()``. Each sharded table (a ``ShardedTensor``, or with
+  ``ShardingEnv(..., output_dtensor=True)`` a DTensor over TorchRec's ``LocalShardsWrapper``, read
+  by its local shards and offsets, not its placements) becomes a :class:`Shard` in global
   coordinates, a view of the rank's local shard; a table the rank holds no shard of is left out
   (the other ranks cover it); several column shards of one table on one rank become one Shard
   over their columns (a copy, written back after a restore). Dense tensors are replicas.
 * The fused optimizer: its ``state_dict()["state"]``. TorchRec keeps a row-wise state (row-wise
-  Adagrad's ``momentum1``) as a 1-D ShardedTensor of ``rows`` values, or, for a table split into
+  Adagrad's ``momentum1``) as a 1-D ShardedTensor (or DTensor) of ``rows`` values, or, for a table split into
   ``k`` column shards, of ``k * rows`` values (shard ``j``'s momentum at ``[j * rows, (j+1) * rows)``).
   Here it is a ``(rows, k)`` tensor whose column ``j`` is column shard ``j``'s momentum, so it is
   row-sparse and aligned with the table's rows: a delta writes the table's marked rows of both.
@@ -34,7 +36,7 @@ Marks (:meth:`deltackpt.Checkpointer.track` on a DMP): from the model's ``ModelD
 (TorchRec's ``init_torchrec_delta_tracker``, any tracking mode) when it has one, read at each
 save; else from deltackpt's own post-lookup function on each ``ShardedEmbeddingBagCollection``.
 Both give shard-local row ids; a table's weight and its row-wise state share the marks, and the
-canary checks both (:mod:`deltackpt.changes`).
+canary checks both (:mod:`deltackpt.tracking.changes`).
 
 torchrec is not imported here: the objects passed in come from it.
 """
@@ -48,7 +50,7 @@ from typing import Any
 import torch
 
 from ..errors import StateError
-from ..sharding import Shard, is_sharded_tensor
+from ..sharding import Shard, is_dtensor, is_sharded_tensor
 
 CONVERSIONS = ("column_mean",)
 
@@ -111,12 +113,11 @@ def live_state(obj: Any) -> LiveState:
     if isinstance(obj, torch.nn.Module):
         tree: dict[str, Any] = {}
         for key, value in obj.state_dict().items():
-            if is_sharded_tensor(value):
-                parts = [_shard_of(s) for s in value.local_shards()]
-                if parts:
-                    tree[key] = _coalesce(key, tuple(value.size()), parts, copies)
-            else:
+            parts = local_parts(value)
+            if parts is None:
                 tree[key] = value
+            elif parts:
+                tree[key] = _coalesce(key, tuple(value.size()), parts, copies)
         return LiveState(tree, copies)
     if not callable(getattr(obj, "state_dict", None)) or not hasattr(obj, "params"):
         raise StateError(f"cannot save a {type(obj).__name__} from torchrec: pass the DMP and "
@@ -127,10 +128,10 @@ def live_state(obj: Any) -> LiveState:
     for fqn, entries in sd.get("state", {}).items():
         weight = obj.params.get(fqn)
         for name, value in entries.items():
-            if not is_sharded_tensor(value):
+            parts = local_parts(value)
+            if parts is None:
                 state.setdefault(fqn, {})[name] = value
                 continue
-            parts = [_shard_of(s) for s in value.local_shards()]
             shape = tuple(value.size())
             if is_sharded_tensor(weight) and len(shape) == 1 and weight.dim() == 2:
                 bounds = column_bounds(weight)
@@ -147,8 +148,20 @@ def column_bounds(weight: Any) -> tuple[int, ...]:
     return (*cols, int(weight.size(1)))
 
 
-def _shard_of(s: Any) -> _Local:
-    return _Local(s.tensor, tuple(int(o) for o in s.metadata.shard_offsets))
+def local_parts(value: Any) -> list[_Local] | None:
+    """This rank's shards of a sharded TorchRec tensor with their global offsets (none where
+    the rank holds none), or None if ``value`` is not one: a ShardedTensor, or a DTensor whose
+    local tensor is TorchRec's ``LocalShardsWrapper`` (``output_dtensor=True``; its placements
+    do not describe table-wise or column-wise layouts, its offsets do)."""
+    if is_sharded_tensor(value):
+        return [_Local(s.tensor, tuple(int(o) for o in s.metadata.shard_offsets))
+                for s in value.local_shards()]
+    if is_dtensor(value):
+        local = value.to_local()
+        if type(local).__name__ == "LocalShardsWrapper":
+            return [_Local(t, tuple(int(o) for o in offset))
+                    for t, offset in zip(local.local_shards(), local.local_offsets())]
+    return None
 
 
 @dataclass(frozen=True)

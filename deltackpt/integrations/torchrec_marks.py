@@ -24,7 +24,7 @@ from ..errors import StateError
 from ..tracking.lookups import feature_ids
 from ..tracking.marks import TrackedTable
 from ..statetree import child_key
-from .torchrec import live_state
+from .torchrec import live_state, local_parts
 
 WRAPPERS = ("_dmp_wrapped_module.module.", "_dmp_wrapped_module.", "module.")
 
@@ -69,8 +69,7 @@ def track(register: Callable[[tuple[str, ...]], TrackedTable], model: nn.Module,
                 child_key(optimizer_prefix, "state", fqn, name)
                 for name, value in entries.items() if fqn in live["columns"]
             ]
-    held = {k for k, v in model.state_dict().items()
-            if not hasattr(v, "local_shards") or v.local_shards()}
+    held = {k for k, v in model.state_dict().items() if local_parts(v) != []}
     by_table: dict[str, TrackedTable] = {}  # by the table's fqn without ".weight"
     by_feature: dict[int, dict[str, TrackedTable]] = {}
     keys: list[str] = []

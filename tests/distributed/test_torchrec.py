@@ -41,12 +41,12 @@ def save_run(rank, world, path, tracker, track):
     return kinds, compared, losses
 
 
-def resume_run(rank, world, path, plan):
+def resume_run(rank, world, path, plan, dtensor=False):
     """Restores SAVED under ``plan``; checks every local value; trains MORE steps, saving."""
     import deltackpt
     import trec_model as tm
 
-    dmp, opt = tm.build(plan, seed=1 + rank)
+    dmp, opt = tm.build(plan, seed=1 + rank, dtensor=dtensor)
     with deltackpt.Checkpointer(path) as ckpt:
         st = tm.state(dmp, opt, 0)
         assert ckpt.restore(st, SAVED) == SAVED and st["step"] == SAVED
@@ -58,7 +58,7 @@ def resume_run(rank, world, path, plan):
             if world != 2 and step % SAVE_EVERY == 0:
                 kinds.append(ckpt.save(step, tm.state(dmp, opt, step)).kind)
     if world == 2:
-        with deltackpt.Checkpointer(f"{path}-{plan}") as ckpt:
+        with deltackpt.Checkpointer(f"{path}-{plan}{'-dtensor' if dtensor else ''}") as ckpt:
             ckpt.save(SAVED + MORE, tm.state(dmp, opt, SAVED + MORE))
     return compared, losses, kinds
 
@@ -103,16 +103,20 @@ def test_saved_as_deltas_and_exact(saved):
     assert loaded["optim"]["columns"]["sparse.embedding_bags.t2.weight"] == (0, 4, 8)
 
 
-def test_resume_under_another_plan_is_identical(saved, tmp_path):
+@pytest.mark.parametrize("dtensor", [False, True], ids=["sharded_tensor", "dtensor"])
+def test_resume_under_another_plan_is_identical(saved, tmp_path, dtensor):
+    """Restored, trained with marks and saved again under plan B2: with ShardedTensor state
+    dicts, and with DTensor ones (``output_dtensor=True``) restoring what ShardedTensors saved."""
     import deltackpt
 
     path, results = saved
-    resumed = check_ok(run_ranks(resume_run, 2, str(tmp_path), path, "B2", deadline=300))
+    resumed = check_ok(run_ranks(resume_run, 2, str(tmp_path), path, "B2", dtensor, deadline=300))
     for (_, _, losses), (compared, again, _) in zip(results, resumed):
         assert compared > 0
         assert again == losses
+    suffix = "-dtensor" if dtensor else ""
     with deltackpt.Checkpointer(f"{path}-final", create=False) as a, \
-            deltackpt.Checkpointer(f"{path}-B2", create=False) as b:
+            deltackpt.Checkpointer(f"{path}-B2{suffix}", create=False) as b:
         assert_same_state(a.load(), b.load())
 
 
