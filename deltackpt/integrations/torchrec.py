@@ -117,7 +117,7 @@ def live_state(obj: Any) -> LiveState:
             if parts is None:
                 tree[key] = value
             elif parts:
-                tree[key] = _coalesce(key, tuple(value.size()), parts, copies)
+                tree[key] = _coalesce(key, global_shape(value), parts, copies)
         return LiveState(tree, copies)
     if not callable(getattr(obj, "state_dict", None)) or not hasattr(obj, "params"):
         raise StateError(f"cannot save a {type(obj).__name__} from torchrec: pass the DMP and "
@@ -132,10 +132,11 @@ def live_state(obj: Any) -> LiveState:
             if parts is None:
                 state.setdefault(fqn, {})[name] = value
                 continue
-            shape = tuple(value.size())
-            if is_sharded_tensor(weight) and len(shape) == 1 and weight.dim() == 2:
+            shape = global_shape(value)
+            table = global_shape(weight) if is_sharded_tensor(weight) else ()
+            if len(shape) == 1 and len(table) == 2:
                 bounds = column_bounds(weight)
-                parts, shape = _rows_by_column(fqn, name, parts, shape, weight.size(0), len(bounds) - 1)
+                parts, shape = _rows_by_column(fqn, name, parts, shape, table[0], len(bounds) - 1)
                 columns[fqn] = bounds
             if parts:
                 state.setdefault(fqn, {})[name] = _coalesce(f"{fqn}/{name}", shape, parts, copies)
@@ -146,6 +147,13 @@ def column_bounds(weight: Any) -> tuple[int, ...]:
     """The column boundaries of a ShardedTensor table's shards: ``(0, ..., columns)``."""
     cols = sorted({int(md.shard_offsets[1]) for md in weight.metadata().shards_metadata})
     return (*cols, int(weight.size(1)))
+
+
+def global_shape(value: Any) -> tuple[int, ...]:
+    """The global shape of a ShardedTensor (from its metadata: its ``size()`` goes through
+    torch function dispatch, many times slower than reading the metadata) or of a DTensor."""
+    size = value.metadata().size if is_sharded_tensor(value) else value.shape
+    return tuple(int(n) for n in size)
 
 
 def local_parts(value: Any) -> list[_Local] | None:
