@@ -186,7 +186,7 @@ class StepWriter:
 
         def parts() -> list[memoryview]:
             if hash_into is not None:
-                kernels.reference.hash_rows(data.reshape(hash_into.numel(), -1), 1, hash_into)
+                hash_into.copy_(kernels.hash_rows(data.reshape(hash_into.numel(), -1), threads=1))
             body = as_bytes(data.contiguous())
             if codec is None:
                 return [body, zeros] if pad else [body]
@@ -213,7 +213,7 @@ class StepWriter:
         def piece(lo: int) -> None:
             np.take(src, idx[lo : lo + step], axis=0, out=dst[lo : lo + step], mode="clip")
             if hash_into is not None:
-                kernels.reference.hash_rows(out[lo : lo + step], 1, hash_into[lo : lo + step])
+                hash_into[lo : lo + step] = kernels.hash_rows(out[lo : lo + step], threads=1)
 
         run_shared(self._executor, [partial(piece, lo) for lo in range(0, n, step)])
 
