@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,10 +26,50 @@ from .sharding import Shard, as_shard
 @dataclass(frozen=True)
 class FlatState:
     """A state split into its tensors (by flat key, each as this rank's :class:`Shard`) and the
-    JSON skeleton that nests them."""
+    JSON skeleton that nests them.
+
+    Attributes:
+        tensors: every tensor by flat key.
+        tree: the skeleton.
+        sources: the live plain tensor (``torch.Tensor`` or ``Parameter``) each shard views, by
+            key: what a later :func:`flatten` with ``reuse`` recognises.
+        reused: how many shards that :func:`flatten` took from ``reuse``.
+    """
 
     tensors: dict[str, Shard]
     tree: dict[str, Any]
+    sources: dict[str, torch.Tensor] = field(default_factory=dict)
+    reused: int = 0
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # the types whose shards flatten may reuse
+
+
+@dataclass
+class _Flattening:
+    """What one :func:`flatten` gathers, and the earlier result it may take shards from."""
+
+    reuse: FlatState | None
+    tensors: dict[str, Shard] = field(default_factory=dict)
+    sources: dict[str, torch.Tensor] = field(default_factory=dict)
+    reused: int = 0
+
+    def known(self, obj: Any, path: str) -> Shard | None:
+        """The shard ``reuse`` made of ``obj`` at ``path`` if it still views ``obj`` exactly:
+        the same object, dtype, shape, strides and first byte (a ``.data`` swap or an in-place
+        resize changes one). A shard holds its storage, so no new storage can take its address."""
+        reuse = self.reuse
+        if reuse is None or type(obj) not in _PLAIN:
+            return None
+        t = reuse.sources.get(path)
+        if t is None or t is not obj:
+            return None
+        shard = reuse.tensors[path]
+        old = shard.local
+        if (old.data_ptr() != t.data_ptr() or old.dtype != t.dtype or old.dtype.is_complex
+                or old.shape != t.shape or old.stride() != t.stride()):
+            return None
+        return shard
 
 
 def key_part(k: str | int) -> str:
@@ -77,12 +117,15 @@ def is_stateful(obj: object) -> bool:
     )
 
 
-def flatten(state: Mapping[str, Any]) -> FlatState:
+def flatten(state: Mapping[str, Any], *, reuse: FlatState | None = None) -> FlatState:
     """Splits ``state`` into tensors and a skeleton.
 
     Args:
         state: a mapping of tensors (plain, :class:`Shard` or DTensor), objects with
             ``state_dict()``, dicts, lists, tuples and JSON scalars, nested.
+        reuse: an earlier result for (possibly) the same state: a plain tensor found again at its
+            path, unchanged but for its values, keeps its shard rather than being checked and
+            wrapped again (saves of thousands of tiny tensors pay for that per tensor).
 
     Returns:
         The flat state.
@@ -99,9 +142,9 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
     """
     if not isinstance(state, Mapping):
         raise StateError(f"state must be a mapping, got {type(state).__name__}")
-    tensors: dict[str, Shard] = {}
-    tree = _node(state, "", tensors, 0)
-    return FlatState(tensors, tree)
+    out = _Flattening(reuse)
+    tree = _node(state, "", out, 0)
+    return FlatState(out.tensors, tree, out.sources, out.reused)
 
 
 def integration(obj: object) -> Any:
@@ -114,12 +157,19 @@ def integration(obj: object) -> Any:
     return None
 
 
-def _node(obj: Any, path: str, tensors: dict[str, Shard], depth: int) -> dict[str, Any]:
+def _node(obj: Any, path: str, out: _Flattening, depth: int) -> dict[str, Any]:
     if depth > MAX_DEPTH:
         raise StateError(f"{path}: the state is nested deeper than {MAX_DEPTH} levels")
+    tensors = out.tensors
+    if (known := out.known(obj, path)) is not None:
+        if path in tensors:
+            raise StateError(f"two entries of the state map to the key {path!r}")
+        tensors[path], out.sources[path] = known, obj
+        out.reused += 1
+        return {"tensor": path}
     adapter = integration(obj)
     if adapter is not None:
-        return _node(adapter.live_state(obj).tree, path, tensors, depth)
+        return _node(adapter.live_state(obj).tree, path, out, depth)
     if isinstance(obj, (torch.Tensor, Shard)):
         if path in tensors:
             raise StateError(f"two entries of the state map to the key {path!r}")
@@ -134,9 +184,11 @@ def _node(obj: Any, path: str, tensors: dict[str, Shard], depth: int) -> dict[st
             raise StateError(f"{path}: only dense (strided) tensors are supported, got {shard.local.layout}")
         tensors[path] = Shard(shard.local.detach(), global_shape=shard.global_shape,
                               global_offset=shard.global_offset)
+        if isinstance(obj, torch.Tensor) and type(obj) in _PLAIN:
+            out.sources[path] = obj
         return {"tensor": path}
     if is_stateful(obj) and not isinstance(obj, Mapping):
-        return _node(obj.state_dict(), path, tensors, depth)
+        return _node(obj.state_dict(), path, out, depth)
     if isinstance(obj, Mapping):
         items = []
         for k, v in obj.items():
@@ -144,11 +196,11 @@ def _node(obj: Any, path: str, tensors: dict[str, Shard], depth: int) -> dict[st
                 raise StateError(f"{path or '<root>'}: keys must be str or int, got {k!r}")
             if isinstance(k, str) and has_surrogate(k):
                 raise StateError(f"{path or '<root>'}: key {k!r} holds a lone surrogate (not UTF-8)")
-            items.append([k, _node(v, child_key(path, k), tensors, depth + 1)])
+            items.append([k, _node(v, child_key(path, k), out, depth + 1)])
         return {"dict": items}
     if isinstance(obj, (list, tuple)):
         kind = "tuple" if isinstance(obj, tuple) else "list"
-        return {kind: [_node(v, child_key(path, i), tensors, depth + 1) for i, v in enumerate(obj)]}
+        return {kind: [_node(v, child_key(path, i), out, depth + 1) for i, v in enumerate(obj)]}
     if isinstance(obj, float) and not math.isfinite(obj):
         return {"float": repr(obj)}
     if obj is None or isinstance(obj, (bool, int, float, str)):

@@ -38,6 +38,8 @@ class Store:
         self.storage = storage
         self._manifests: dict[int, Manifest] = {}
         self._bases: dict[int, Manifest] = {}
+        # The last records known whole, by key: bytes, step and attempt (see holds).
+        self._known: dict[str, tuple[bytes, int, str]] = {}
 
     def exists(self) -> bool:
         return self.storage.size("zarr.json") is not None
@@ -170,23 +172,45 @@ class Store:
         returns False if it exists already."""
         if manifest.compacts is not None:
             return self.storage.put_if_absent(base_key(manifest.step), manifest.to_json())
-        done = self.storage.put_if_absent(commit_key(manifest.step), manifest.to_json())
+        data = manifest.to_json()
+        done = self.storage.put_if_absent(commit_key(manifest.step), data)
         if done:
             self._manifests[manifest.step] = manifest
+            self._remember(commit_key(manifest.step), data, manifest.step, manifest.attempt)
         return done
 
     def holds(self, step: int, attempt: str) -> bool:
         """Whether the store holds now (read afresh, not from the cache) the record of ``step``
         saved as ``attempt``, or a base that compaction made of it as ``attempt``. Only the two
-        fields are looked at: readers check the rest of the record when they use it."""
+        fields are looked at: readers check the rest of the record when they use it. A record
+        read back with the very bytes this store last committed or looked at is not parsed again
+        (a delta's parent is checked twice a save, and its record grows with the tensors)."""
         for key in (commit_key(step), base_key(step)):
             try:
-                doc = json.loads(self.storage.read(key))
-            except (FileNotFoundError, ValueError, RecursionError):
+                data = self.storage.read(key)
+            except FileNotFoundError:
+                continue
+            known = self._known.get(key)
+            if known is not None and known[0] == data:
+                if known[1:] == (step, attempt):
+                    return True
+                continue
+            try:
+                doc = json.loads(data)
+            except (ValueError, RecursionError):
                 continue
             if isinstance(doc, dict) and doc.get("step") == step and doc.get("attempt") == attempt:
+                self._remember(key, data, step, attempt)
                 return True
         return False
+
+    def _remember(self, key: str, data: bytes, step: int, attempt: str) -> None:
+        """Keeps the bytes of the record ``key`` for :meth:`holds`: the last two, a delta's own
+        and its parent's."""
+        self._known.pop(key, None)
+        self._known[key] = (data, step, attempt)
+        while len(self._known) > 2:
+            del self._known[next(iter(self._known))]
 
     def withdraw(self, step: int) -> None:
         """Removes the record of ``step`` that this process just committed."""

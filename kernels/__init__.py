@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -145,6 +146,43 @@ def hash_chunks(t: torch.Tensor, chunk_bytes: int, *, backend: str = "auto",
     return impl.hash_chunks(t.contiguous(), chunk_bytes)
 
 
+def hash_segments(tensors: Sequence[torch.Tensor], pieces: Sequence[int]) -> torch.Tensor:
+    """XXH64 (seed 0) of every ``pieces[i]``-byte piece of each tensor's bytes, for many small
+    tensors in one call on the calling thread: the hashes of ``tensors[0]``'s pieces, then of
+    ``tensors[1]``'s, and so on; each tensor's are the bits :func:`hash_rows` (rows of
+    ``pieces[i]`` bytes) or :func:`hash_chunks` (``pieces[i]``-byte chunks) give it. One call in
+    place of one per tensor: per-call overhead, not hashing, is what a state of thousands of tiny
+    tensors costs.
+
+    Args:
+        tensors: contiguous CPU tensors, each of a whole, non-zero number of its pieces.
+        pieces: the piece size of each tensor, in bytes.
+
+    Returns:
+        An int64 tensor of ``sum(t.nbytes // p)`` hashes on the CPU.
+
+    Raises:
+        ValueError: a tensor is not a contiguous CPU tensor of whole pieces, or the lengths differ.
+
+    Example:
+        >>> hash_segments([torch.zeros(3, 4), torch.zeros(2)], [16, 8]).shape
+        torch.Size([4])
+    """
+    if len(tensors) != len(pieces):
+        raise ValueError(f"{len(tensors)} tensors but {len(pieces)} piece sizes")
+    total = count = 0
+    for t, p in zip(tensors, pieces):
+        n = t.nbytes
+        if p <= 0 or not n or n % p or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"cannot hash a {t.device.type} tensor of {n} bytes "
+                             f"({'' if t.is_contiguous() else 'not '}contiguous) in pieces of {p} bytes")
+        total += n
+        count += n // p
+    if count <= small.SMALL_PIECES and total <= small.SMALL_BYTES:
+        return small.hash_segments(list(tensors), list(pieces))
+    return __getattr__("reference").hash_segments(list(tensors), list(pieces))
+
+
 def _check_threads(threads: int | None) -> None:
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
         raise ValueError(f"threads must be a positive int or None, got {threads!r}")
@@ -172,6 +210,7 @@ def warm() -> None:
     reference.hash_rows(torch.zeros(2, 8, dtype=torch.uint8), 1)  # rows of whole 8-byte words
     reference.hash_rows(torch.zeros(2, 3, dtype=torch.uint8), 1)  # rows of any bytes
     reference.hash_chunks(torch.zeros(24, dtype=torch.uint8), 8, 1)
+    reference.hash_segments([torch.zeros(24, dtype=torch.uint8)], [8])
     mask = torch.zeros(4, dtype=torch.bool)
     reference.mark_rows(mask, torch.tensor([1], dtype=torch.int64))
     reference.mark_rows(mask, torch.tensor([2], dtype=torch.int32))

@@ -17,6 +17,8 @@ import numba
 import numpy as np
 import torch
 from numba import njit, prange, uint64
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from . import PARALLEL_MIN
 
@@ -256,6 +258,43 @@ def hash_rows(t: torch.Tensor, threads: int | None = None, out: torch.Tensor | N
     elif rows:
         result[:] = _EMPTY_HASH
     return torch.from_numpy(result.view(np.int64))
+
+
+@intrinsic
+def _pointer(typingctx, address):  # type: ignore[no-untyped-def]
+    """The int64 ``address`` as a pointer, to read a tensor's bytes where they lie."""
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return numba.types.voidptr(numba.types.int64), codegen
+
+
+@njit(cache=True, nogil=True)
+def _hash_segments(addresses, sizes, pieces, out):
+    # Segment s is sizes[s] bytes at addresses[s], hashed in pieces of pieces[s] bytes; the
+    # hashes go to out one segment after another.
+    k = 0
+    for s in range(addresses.shape[0]):
+        b = numba.carray(_pointer(addresses[s]), (sizes[s],), np.uint8)
+        p = pieces[s]
+        for i in range(sizes[s] // p):
+            out[k] = _xxh64(b, i * p, p)
+            k += 1
+
+
+def hash_segments(tensors: list[torch.Tensor], pieces: list[int]) -> torch.Tensor:
+    """XXH64 of every ``pieces[i]``-byte piece of each CPU tensor ``tensors[i]``, one tensor after
+    another, in one compiled call on the calling thread that reads each tensor where it lies (no
+    copy into one buffer). Each tensor must be contiguous and hold a whole number of its pieces
+    (see :func:`deltackpt.kernels.hash_segments`, which checks)."""
+    n = len(tensors)
+    addresses = np.fromiter((t.data_ptr() for t in tensors), dtype=np.int64, count=n)
+    sizes = np.fromiter((t.nbytes for t in tensors), dtype=np.int64, count=n)
+    steps = np.asarray(pieces, dtype=np.int64)
+    out = np.empty(int((sizes // steps).sum()), dtype=np.uint64)
+    _hash_segments(addresses, sizes, steps, out)
+    return torch.from_numpy(out.view(np.int64))
 
 
 def _out(out: torch.Tensor | None, n: int) -> np.ndarray:

@@ -45,3 +45,12 @@ def hash_rows(t: torch.Tensor) -> torch.Tensor:
 def hash_chunks(t: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
     """XXH64 of every ``chunk_bytes`` piece of a small CPU tensor's flat bytes (the last may be short)."""
     return _hash(_bytes(t), chunk_bytes, -(-t.numel() * t.element_size() // chunk_bytes))
+
+
+def hash_segments(tensors: list[torch.Tensor], pieces: list[int]) -> torch.Tensor:
+    """XXH64 of every ``pieces[i]``-byte piece of each small CPU tensor ``tensors[i]``, one tensor
+    after another (the same as :func:`deltackpt.kernels.reference.hash_segments`)."""
+    h = xxhash.xxh64_intdigest
+    out = np.fromiter((h(b[i * p : (i + 1) * p]) for t, p in zip(tensors, pieces)
+                       for b in [_bytes(t)] for i in range(len(b) // p)), dtype=np.uint64)
+    return torch.from_numpy(out.view(np.int64))

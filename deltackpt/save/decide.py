@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
@@ -56,6 +57,7 @@ def counts(kind: Kind, parts: Iterable[tuple[str, PartPlan]], scans: Iterable[Pa
     return {(s.key, s.path): s.changed for s in scans}
 
 
+@functools.cache  # asked once per tensor and save: thousands of times for a state of small tensors
 def itemsize(dtype_name: str) -> int:
     return torch.empty((), dtype=dtypes.from_name(dtype_name)).element_size()
 

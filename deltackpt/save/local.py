@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -14,8 +15,11 @@ from .planner import ItemInfo, LocalPlan, PartPlan
 from .types import LocalState, WriteItem
 
 
-def plan_local(step: int, state: Mapping[str, Any], rank: int, sizes: tuple[int, int]) -> LocalState:
-    """Flattens ``state`` and lists its tensors' boxes.
+def plan_local(step: int, state: Mapping[str, Any], rank: int, sizes: tuple[int, int],
+               last: LocalState | None = None) -> LocalState:
+    """Flattens ``state`` and lists its tensors' boxes; keeps ``last``'s plan (this rank's
+    previous one) when the state's layout and skeleton are the same as then, so a save of an
+    unchanged layout does no per-tensor planning.
 
     Raises:
         StepExistsError: ``step`` is not an int in ``[0, MAX_STEP]`` (records name steps by 20
@@ -24,16 +28,23 @@ def plan_local(step: int, state: Mapping[str, Any], rank: int, sizes: tuple[int,
     """
     if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
         raise StepExistsError(f"step must be an int in [0, {MAX_STEP}], got {step!r}")
-    flat = statetree.flatten(state)
+    flat = statetree.flatten(state, reuse=None if last is None else last.flat)
+    # A non-contiguous tensor is copied now, so its copy is never taken from ``last``.
     shards = {k: s if s.local.is_contiguous() else
               Shard(s.local.contiguous(), global_shape=s.global_shape, global_offset=s.global_offset)
               for k, s in flat.tensors.items()}
+    if last is not None and last.plan.rank == rank and last.plan.settings == sizes:
+        # Every tensor the same as last time, and a skeleton of the same bytes (pickle tells
+        # 1 from 1.0 and 0.0 from -0.0, which == does not): the same plan.
+        tree = pickle.dumps(flat.tree)
+        if flat.reused == len(flat.tensors) == len(last.flat.tensors) and tree == last.tree:
+            return LocalState(step, shards, last.plan, last.digest, flat, tree)
     items = tuple(
         ItemInfo(k, dtypes.name(s.local.dtype), s.global_shape, s.box, s.local.element_size())
         for k, s in sorted(shards.items())
     )
     plan = LocalPlan(rank, items, flat.tree, sizes)
-    return LocalState(step, shards, plan, plan.digest())
+    return LocalState(step, shards, plan, plan.digest(), flat, pickle.dumps(flat.tree))
 
 
 def write_items(parts: Iterable[tuple[str, PartPlan]], local: LocalState) -> tuple[WriteItem, ...]:

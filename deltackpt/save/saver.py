@@ -12,12 +12,14 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future, wait
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
 import torch
 
 from ..collectives import Collective
+from ..collector import paused
 from ..errors import BrokenChainError, StateError
 from ..format.layout import STEPS
 from ..format.manifest import Manifest
@@ -69,10 +71,12 @@ class Saver:
         self._head: Manifest | None = None  # the step the next delta applies to
         self._chain = ChainState(0, 0, 0)
         self._sent_digest: str | None = None  # this rank's last local plan, as sent
+        self._local: LocalState | None = None  # this rank's last local state
         self._planner = GlobalPlanner(coll.size)  # used on the coordinator only
         self._assignment: Assignment | None = None  # the parts this rank writes
         self._lease = lease.Claim(store.storage, ttl=lease_ttl, take_over=take_over)
 
+    @paused()  # per-tensor objects by the thousand, no cycles: collections would walk them all
     def stage(self, step: int, state: Mapping[str, Any], t0: float
               ) -> Callable[[float | None], SaveInfo]:
         """Every phase up to ``stage``; returns ``finish(blocked_seconds)``, the write and commit
@@ -189,11 +193,14 @@ class Saver:
         """This rank's local state, and what the coordinator needs of it (the plan only when it
         changed since the last save)."""
         self.store.storage.point("plan_local", "")
-        local = plan_local(step, state, self._coll.rank, self._sizes)
+        local = plan_local(step, state, self._coll.rank, self._sizes, self._local)
+        # Kept for the next save's plan_local, without the copies of non-contiguous tensors.
+        self._local = replace(local, shards={})
         holds = None if self._assignment is None else self._assignment.tag
         return PlanRequest(step, local.digest, None if local.digest == self._sent_digest else local.plan,
                            holds), local
 
+    @paused()
     def _advance(self, kind: Kind, done: Committed, tensors: dict[str, torch.Tensor],
                  changes: dict[str, TensorChange]) -> None:
         """After a commit: the change tracker's reference and the chain the next delta extends

@@ -28,7 +28,7 @@ from ..io.staging import StagingPool
 from ..io.writer import StepWriter
 from ..quantization import Rowwise
 from ..storage import Storage
-from ..tracking.changes import TensorChange, is_row_sparse
+from ..tracking.changes import NO_IDS, TensorChange, is_row_sparse
 from .planner import GlobalPlan
 from .types import Kind, SavePlan, WriteItem, WriteResult
 
@@ -60,6 +60,8 @@ def stage_part(writer: StepWriter, kind: Kind, item: WriteItem, change: TensorCh
     ``rule``) and queues their writes. Returns ``change``, with the hashes of what a delta wrote
     filled in where the change set left them to the save."""
     t, part = item.tensor, item.part
+    if kind == Kind.DELTA and not n:  # nothing changed: nothing to stage
+        return replace(change, hashes=NO_IDS) if change.partial and change.hashes is None else change
     enc = choose(kind, tuple(t.shape), rule is not None)
     cs = enc.chunk_shape(part.box.shape, t.element_size(), n, sizes, rule)
     if enc.whole:

@@ -16,6 +16,7 @@ import torch
 from ..format.manifest import ChunkMap
 from ..quantization import Choice
 from ..sharding import Shard
+from ..statetree import FlatState
 from .planner import LocalPlan, PartPlan
 
 
@@ -38,12 +39,16 @@ class LocalState:
         shards: every tensor by flat key, contiguous.
         plan: what the rank holds, for the coordinator.
         digest: the plan's digest (the coordinator caches the global plan while none changes).
+        flat: the flattened state, which the next save's flatten may reuse.
+        tree: the skeleton, pickled (the next save keeps the plan only if its own is the same).
     """
 
     step: int
     shards: Mapping[str, Shard]
     plan: LocalPlan
     digest: str
+    flat: FlatState
+    tree: bytes
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ used them commits; those of a failed save go into the next one.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +44,13 @@ from .marks import TableMode, TrackedTable, draw_rows
 from .rows import RowTracker, TrackedGroup
 
 log = logging.getLogger(__name__)
+
+
+SMALL_TENSOR_BYTES = 1 << 16
+"""Tensors of at most this many bytes are hashed together, in one call (:meth:`ChangeTracker.hash_many`)."""
+
+NO_IDS = torch.empty(0, dtype=torch.int64)
+"""No row or chunk, or the hashes of none (shared: never written to)."""
 
 
 def is_row_sparse(t: torch.Tensor) -> bool:
@@ -128,9 +136,7 @@ class ChangeTracker:
         for group in self.rows.resolve(tensors):
             out.update(self._scan_group(group, tensors))
             self._scanned.append(group.table)
-        for key, t in tensors.items():
-            if key not in out:
-                out[key] = self._scan_hashes(key, t)
+        out.update(self._scan_all({k: t for k, t in tensors.items() if k not in out}))
         return out
 
     def adopt(self, tensors: dict[str, torch.Tensor], changes: dict[str, TensorChange], *,
@@ -164,8 +170,22 @@ class ChangeTracker:
         writer left unhashed (or hashed from marks only: a stray change the base stores is then
         no change to the next audit). Call it once the base is staged, before the training
         changes the tensors again."""
-        return {k: TensorChange(ch.changed, self.hash(tensors[k])) if ch.partial or ch.hashes is None else ch
-                for k, ch in changes.items()}
+        hashes = self.hash_many({k: tensors[k] for k, ch in changes.items() if ch.partial or ch.hashes is None})
+        return {k: TensorChange(ch.changed, hashes[k]) if k in hashes else ch for k, ch in changes.items()}
+
+    def hash_many(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """:meth:`hash` of every tensor; the small CPU ones all in one call on the calling thread
+        (:func:`deltackpt.kernels.hash_segments`): a state of thousands of tiny tensors costs
+        one call, not thousands, and wakes no thread."""
+        pieces = {k: p for k, t in tensors.items() if (p := self._piece(t))}
+        if pieces:
+            small = [tensors[k] for k in pieces]
+            batch = kernels.hash_segments(small, list(pieces.values())).split(
+                [t.nbytes // p for t, p in zip(small, pieces.values())])
+            found = dict(zip(pieces, batch))
+        else:
+            found = {}
+        return {k: found[k] if k in found else self.hash(t) for k, t in tensors.items()}
 
     def reset(self, tensors: dict[str, torch.Tensor]) -> None:
         """Takes ``tensors`` (just restored) as the reference; tracked tables' marks restart."""
@@ -177,6 +197,40 @@ class ChangeTracker:
             group.table.restored(group.rows, tensors[group.keys[0]].device)
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _piece(self, t: torch.Tensor) -> int:
+        """The bytes of ``t``'s rows (or of its chunks) if it is small enough to be hashed with
+        others (see :meth:`hash_many`), else 0."""
+        n = t.nbytes
+        if not n or n > SMALL_TENSOR_BYTES or not t.is_cpu or not t.is_contiguous():
+            return 0
+        if t.dim() >= 2:
+            return n // t.shape[0]
+        chunk = self.chunk_elems(t) * t.element_size()
+        return n if n <= chunk else chunk if not n % chunk else 0
+
+    def _scan_all(self, tensors: dict[str, torch.Tensor]) -> dict[str, TensorChange]:
+        """:meth:`_scan_hashes` of every tensor, hashed by :meth:`hash_many` and compared with
+        the references all at once: per tensor, only what changed costs more."""
+        out = {}
+        known = {}
+        for key, t in tensors.items():
+            ref = self._refs.get(key)
+            if ref is None or not ref.matches(t):
+                out[key] = TensorChange(None, None)
+            else:
+                known[key] = t
+        hashes = self.hash_many(known)
+        if hashes:
+            now = list(hashes.values())
+            differs = torch.cat(now) != torch.cat([self._refs[k].hashes for k in hashes])
+            ends = np.cumsum([h.numel() for h in now])
+            where = np.searchsorted(ends, differs.nonzero().flatten().numpy(), side="right")
+            changed = set(where.tolist())
+            for i, (key, h) in enumerate(hashes.items()):
+                out[key] = TensorChange((h != self._refs[key].hashes).nonzero().flatten()
+                                        if i in changed else NO_IDS, h)
+        return {k: out[k] for k in tensors}
 
     def _scan_hashes(self, key: str, t: torch.Tensor) -> TensorChange:
         ref = self._refs.get(key)

@@ -51,3 +51,24 @@ def test_a_missing_parent_breaks_the_chain_and_a_missing_root_is_no_store():
         Store(storage).chain(3)
     with pytest.raises(StoreError, match="no deltackpt store"):
         Store(MemoryStorage()).check_exists()
+
+
+def test_holds_reads_the_record_afresh_even_when_it_knows_its_bytes():
+    """A delta checks twice that its parent's record is still there. The store compares the
+    record's bytes with those it committed rather than parsing them again; a record that was
+    replaced (another attempt of the step) or removed must still count as not held."""
+    storage = MemoryStorage()
+    with Checkpointer(storage) as ckpt:
+        ckpt.save(1, {"t": torch.zeros(3)})
+        store = ckpt.store
+        attempt = store.manifest(1).attempt
+        assert store.holds(1, attempt) and store.holds(1, attempt)
+        assert not store.holds(1, "1-000000000000")
+        data = storage.read(commit_key(1))
+        other = data.replace(attempt.encode(), b"1-000000000000")
+        storage.delete(commit_key(1))
+        storage.put_if_absent(commit_key(1), other)
+        assert not store.holds(1, attempt)
+        assert store.holds(1, "1-000000000000")
+        storage.delete(commit_key(1))
+        assert not store.holds(1, "1-000000000000") and not store.holds(1, attempt)

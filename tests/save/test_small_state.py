@@ -1,0 +1,81 @@
+"""Saves of a state of many small tensors: one batched hash finds a single changed element, a
+plan kept from the last save still sees every change of layout, values and skeleton, and a
+delta of thousands of tensors writes one pack."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from deltackpt import Checkpointer, EveryK, statetree
+from helpers import assert_same_state, same_bits
+
+
+def tiny_state(n: int) -> dict:
+    """``n`` tiny tensors of a few shapes and dtypes (2-D rows, 1-D, 0-d)."""
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(4, 4), (9,), (), (3, 5)]
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.float16]
+    return {f"t{i}": (torch.randn(shapes[i % 4], generator=gen) * 100).to(dtypes[i % 3 if i % 4 != 2 else 0])
+            for i in range(n)}
+
+
+def test_one_element_of_tensor_17345_of_20000_is_found(store_path):
+    state = tiny_state(20_000)
+    with Checkpointer(store_path, policy=EveryK(100)) as ckpt:
+        ckpt.save(1, state)
+        target = state["t17345"]  # a 1-D tensor: 17345 % 4 == 1
+        target.view(torch.uint8)[7 * target.element_size()] ^= 1  # one bit of one element
+        info = ckpt.save(2, state)
+        assert info.kind == "delta"
+        m = ckpt.store.manifest(2)
+        assert [k for k, r in m.tensors.items() if r.changed] == ["t17345"]
+        assert list(m.packs) == ["pack.0"]  # one pack for the whole delta
+        files = [f for d, _, fs in os.walk(os.path.join(store_path, "steps", m.attempt)) for f in fs]
+        assert len(files) <= 4
+        unchanged = ckpt.save(3, state)
+        assert unchanged.kind == "delta" and unchanged.rows_changed == 0
+        assert not any(r.changed for r in ckpt.store.manifest(3).tensors.values())
+        assert_same_state(ckpt.load(2), state)
+
+
+def test_a_kept_plan_sees_swapped_data_new_objects_and_skeleton_types(store_path):
+    weight = torch.nn.Parameter(torch.ones(4, 3), requires_grad=False)
+    grid = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    state = {"w": weight, "b": torch.zeros(5), "cols": grid[:, ::2], "n": 1, "z": 0.0,
+             **tiny_state(200)}
+    with Checkpointer(store_path, policy=EveryK(100)) as ckpt:
+        ckpt.save(1, state)
+        weight.data = torch.full((4, 3), 2.0)  # same object, new storage
+        state["b"] = torch.ones(5)  # a new object at the same key
+        grid[1, 2] = -7.0  # seen through a non-contiguous view
+        state["n"], state["z"] = 1.0, -0.0  # equal under ==, not the same value
+        assert ckpt.save(2, state).kind == "delta"
+        got = ckpt.load(2)
+        state["n"], state["z"] = 1, 0.0  # the skeleton alone changes
+        assert ckpt.save(3, state).kind == "delta"
+        skeleton = ckpt.load(3)
+        weight.data = torch.zeros(2, 3)  # a new shape under the same object: a base
+        assert ckpt.save(4, state).kind == "base"
+        got4 = ckpt.load(4)
+    assert same_bits(got["w"], torch.full((4, 3), 2.0)) and same_bits(got["b"], torch.ones(5))
+    assert same_bits(got["cols"], grid[:, ::2].contiguous()) and got["cols"][1, 1] == -7.0
+    assert type(got["n"]) is float and math.copysign(1.0, got["z"]) == -1.0
+    assert type(skeleton["n"]) is int and math.copysign(1.0, skeleton["z"]) == 1.0
+    assert same_bits(got4["w"], torch.zeros(2, 3))
+
+
+def test_flatten_reuses_the_shards_of_unchanged_tensors_only():
+    a, b = torch.zeros(3), torch.ones(2, 2)
+    first = statetree.flatten({"a": a, "m": {"b": b}})
+    again = statetree.flatten({"a": a, "m": {"b": b}}, reuse=first)
+    assert again.reused == 2 and again.tensors["a"] is first.tensors["a"]
+    b.data = torch.ones(2, 2)
+    moved = statetree.flatten({"a": a, "m": {"b": b}}, reuse=again)
+    assert moved.reused == 1 and moved.tensors["m/b"].local.data_ptr() == b.data_ptr()
+    renamed = statetree.flatten({"c": a, "m": {"b": b}}, reuse=moved)
+    assert renamed.reused == 1 and set(renamed.tensors) == {"c", "m/b"}
+    b.resize_(4)
+    assert statetree.flatten({"a": a, "m": {"b": b}}, reuse=moved).tensors["m/b"].local.shape == (4,)
