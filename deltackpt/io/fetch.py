@@ -43,14 +43,21 @@ def file_size(storage: Storage, step: int, path: str, entry: Entry | None) -> in
     return _check_size(step, path, entry, storage.size(path))
 
 
-def stored_size(storage: Storage, m: Manifest, key: str, part: PartRecord, name: str) -> int:
-    """The recorded size of a chunk, once its file (or the files of its pack) have theirs."""
+def stored_size(storage: Storage, m: Manifest, key: str, part: PartRecord, name: str,
+                sized: set[str] | None = None) -> int:
+    """The recorded size of a chunk, once its file (or the files of its pack) have theirs.
+    ``sized``: pack files found to have their size already, skipped and added to (a pack holds
+    the chunks of thousands of small parts)."""
     entry = part.chunks.get(name)
     if part.pack is None or entry is None or len(entry) != 3:
         return file_size(storage, m.step, chunk_path(m, key, part, name), entry)
     folder = f"{STEPS}/{m.attempt}/{part.pack}"
     for file, _, _ in _pack_files(m, part.pack, entry[2], entry[0]):
-        file_size(storage, m.step, f"{folder}/{file}", m.packs[part.pack].get(file))
+        path = f"{folder}/{file}"
+        if sized is None or path not in sized:
+            file_size(storage, m.step, path, m.packs[part.pack].get(file))
+            if sized is not None:
+                sized.add(path)
     return entry[0]
 
 

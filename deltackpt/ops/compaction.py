@@ -8,7 +8,10 @@ and their chains simply stop at the new base. Running it again finds the base an
 
 It streams: each unit of work is one chunk of rows of one tensor, read from the chain into a
 staging buffer and written as one chunk of the new base, so memory stays within the staging
-pool. Under several ranks the units are dealt round-robin and the coordinator commits once.
+pool. As in a base a save writes, a small part (one chunk of at most 1 MiB, see
+:func:`~deltackpt.format.encodings.in_pack`) goes into its writer's pack instead of a zarr array
+of its own: compacting thousands of small tensors writes a few files. Under several ranks the
+units are dealt round-robin and the coordinator commits once.
 
 Call order (every rank): ``compact(...)``; phases ``compact_plan`` (coordinator),
 ``compact_write`` (all), ``compact_commit`` (coordinator).
@@ -27,8 +30,8 @@ import torch
 from ..collectives import Collective
 from ..errors import StepNotFoundError
 from ..format import dtypes
-from ..format.encodings import FULL, write_block
-from ..format.layout import STEPS
+from ..format.encodings import FULL, in_pack, write_block
+from ..format.layout import STEPS, pack_name
 from ..format.lossy import Lossy
 from ..format.manifest import (
     FORMAT,
@@ -68,7 +71,7 @@ class CompactInfo:
 class _Work:
     chain: list[Manifest]
     attempt: str
-    units: list[tuple[str, int, int]]  # tensor key, first row, rows (one chunk each)
+    units: list[tuple[str, int, int, bool]]  # tensor key, first row, rows (one chunk each), packed
     docs: dict[tuple[str, str], ChunkMap]
 
 
@@ -89,36 +92,43 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
             return step, None
         attempt = store.new_attempt(step)
         writer = StepWriter(store.storage, f"{STEPS}/{attempt}", pool, executor)
-        units = []
+        units, packed = [], []
         for key, rec in chain[-1].tensors.items():
             dt = dtypes.from_name(rec.dtype)
             cs = _chunks(rec, sizes)
+            if in_pack(rec.shape, dt.itemsize, cs):
+                if math.prod(rec.shape):
+                    packed.append((key, 0, rec.shape[0] if rec.shape else 1, True))
+                continue
             for a in FULL.arrays(dt, rec.shape, cs, 0):
                 writer.array(key, a.name, a.shape, a.chunk_shape, a.dtype, raw=not a.coded)
             rows = rec.shape[0] if rec.shape else 1
             if math.prod(rec.shape):
                 cr = cs[0] if cs else 1
-                units += [(key, lo, min(cr, rows - lo)) for lo in range(0, rows, cr)]
-        names = {"/".join(k.split("/")[:i]) for k in chain[-1].tensors for i in range(1, k.count("/") + 1)}
+                units += [(key, lo, min(cr, rows - lo), False) for lo in range(0, rows, cr)]
+        arrays = {key for key, *_ in units}
+        names = {"/".join(k.split("/")[:i]) for k in arrays for i in range(1, k.count("/") + 1)}
         writer.groups(sorted(names | {""}))
         try:
             docs = writer.finish()
         finally:
             store.storage.sync(writer.written)
-        return step, _Work(chain, attempt, units, docs)
+        # Packed units last: the pack keeps an I/O thread until it ends (as a save stages them).
+        return step, _Work(chain, attempt, units + packed, docs)
 
     step, work = coll.one("compact_plan", plan)
     if work is None:
         return CompactInfo(step, False, 1, 0, time.perf_counter() - t0)
     m = work.chain[-1]
 
-    def write() -> dict[tuple[str, str], ChunkMap]:
+    def write() -> tuple[dict[tuple[str, str], ChunkMap], dict[str, ChunkMap]]:
         reader = ChainReader(store.storage, work.chain, pool, executor)
-        writer = StepWriter(store.storage, f"{STEPS}/{work.attempt}", pool, executor)
+        writer = StepWriter(store.storage, f"{STEPS}/{work.attempt}", pool, executor,
+                            pack=pack_name(coll.rank))
         # Blocks come from a pool of their own: reads wait on the main pool, and a read must
         # never wait for a block that a queued write would free.
         blocks = StagingPool(2, sizes[0])
-        for i, (key, lo, n) in enumerate(work.units):
+        for i, (key, lo, n, packed) in enumerate(work.units):
             if i % coll.size != coll.rank:
                 continue
             rec = m.tensors[key]
@@ -129,9 +139,9 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
             reader.read(key, block, box)
             cs = _chunks(rec, sizes)
             write_block(writer, key, "", block, cs, first_chunk=lo // cs[0] if cs else 0,
-                        release=partial(blocks.release, buf))
+                        release=partial(blocks.release, buf), packed=packed)
         try:
-            return writer.finish()
+            return writer.finish(), writer.packs
         finally:
             store.storage.sync(writer.written)
 
@@ -139,13 +149,19 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
 
     def commit() -> int:
         files: dict[tuple[str, str], ChunkMap] = {}
-        for per_rank in [work.docs, *results]:
+        packs: dict[str, ChunkMap] = {}
+        in_packs: dict[str, str] = {}  # the pack of each packed tensor: its writer's
+        for rank, per_rank in [(None, work.docs), *((r, res[0]) for r, res in enumerate(results))]:
             for where, chunks in per_rank.items():
                 files.setdefault(where, {}).update(chunks)
+                if rank is not None and any(len(e) == 3 for e in chunks.values()):
+                    in_packs[where[0]] = pack_name(rank)
+        for _, rank_packs in results:
+            packs.update(rank_packs)
         tensors = {}
         for key, rec in m.tensors.items():
             part = PartRecord((0,) * len(rec.shape), rec.shape, "", _chunks(rec, sizes),
-                              rec.shape[0] if rec.shape else 1, files.get((key, ""), {}))
+                              rec.shape[0] if rec.shape else 1, files.get((key, ""), {}), in_packs.get(key))
             # A chain with quantized rows decodes to a base with their loss: marked, never exact.
             lossy = None if rec.lossy is None else Lossy(None, rec.lossy.chain_bound, rec.lossy.chain_bound)
             tensors[key] = TensorRecord(rec.dtype, rec.shape, FULL, (part,), lossy)
@@ -154,8 +170,10 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
             base=m.step, chain_length=0, world_size=m.world_size, created=time.time(),
             policy={"name": "compaction", "decision": "base",
                     "reason": f"compacted a chain of {len(work.chain)} records"},
-            tree=m.tree, tensors=tensors, packs={},
-            bytes_written=sum(entry[0] for chunks in files.values() for entry in chunks.values()),
+            tree=m.tree, tensors=tensors, packs=packs,
+            # Files only: a packed chunk's bytes are counted in its pack's files.
+            bytes_written=sum(e[0] for chunks in [*files.values(), *packs.values()]
+                              for e in chunks.values() if len(e) == 2),
             state_bytes=m.state_bytes, compacts=m.attempt, quantize=m.quantize,
             format=LOSSY_FORMAT if m.format == LOSSY_FORMAT or m.lossy else FORMAT,
         )

@@ -28,7 +28,7 @@ from ..io.staging import StagingPool
 from ..io.writer import StepWriter
 from ..quantization import Rowwise
 from ..storage import Storage
-from ..tracking.changes import NO_IDS, TensorChange, is_row_sparse
+from ..tracking.changes import NO_IDS, SMALL_TENSOR_BYTES, TensorChange, is_row_sparse
 from .planner import GlobalPlan
 from .types import Kind, SavePlan, WriteItem, WriteResult
 
@@ -66,9 +66,11 @@ def stage_part(writer: StepWriter, kind: Kind, item: WriteItem, change: TensorCh
     cs = enc.chunk_shape(part.box.shape, t.element_size(), n, sizes, rule)
     if enc.whole:
         # A base's row hashes, where the scan left them to the save, come from the staged copies,
-        # taken by the write threads beside the writes rather than in a pass before them.
+        # taken by the write threads beside the writes rather than in a pass before them; a
+        # small tensor's are left to the one batched call of ChangeTracker.hash_whole.
         hashes = None
-        if is_row_sparse(t) and t.numel() and (change.hashes is None or change.partial):
+        if (is_row_sparse(t) and t.nbytes > SMALL_TENSOR_BYTES
+                and (change.hashes is None or change.partial)):
             hashes = torch.empty(t.shape[0], dtype=torch.int64)
         enc.encode(writer, item.key, part.path, t, None, cs, hash_into=hashes)
         return change if hashes is None else TensorChange(change.changed, hashes)
