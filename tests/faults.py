@@ -85,3 +85,34 @@ class FaultStorage(FaultInjection):
             os.kill(os.getpid(), signal.SIGKILL)
         if action == "sleep":
             time.sleep(seconds)
+
+
+class HeldWrites(FaultInjection):
+    """A local store whose writes of chunk files of ``key`` pass until ``passing`` of them have
+    passed; the later ones wait at their ``fsync`` (their bytes written, their staging buffers
+    still held) until :meth:`open`. ``passed`` counts the writes that went through."""
+
+    def __init__(self, root, *, key: str, passing: int):
+        import threading
+
+        super().__init__(LocalStorage(root), self.at_point)
+        self.key, self.passing = key, passing
+        self.passed = 0
+        self.held = 0
+        self._gate = threading.Event()
+        self._lock = threading.Lock()
+
+    def at_point(self, phase: str, key: str) -> None:
+        if phase != "fsync" or f"/{self.key}/" not in key or key.endswith("zarr.json"):
+            return
+        with self._lock:
+            wait = self.passed >= self.passing and not self._gate.is_set()
+            if wait:
+                self.held += 1
+            else:
+                self.passed += 1
+        if wait:
+            self._gate.wait(60)
+
+    def open(self) -> None:
+        self._gate.set()

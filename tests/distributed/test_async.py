@@ -10,7 +10,7 @@ import torch
 
 from deltackpt import Checkpointer, Shard
 from dist_harness import check_ok, run_ranks
-from faults import FaultStorage
+from faults import FaultStorage, HeldWrites
 
 ROWS = 40
 
@@ -52,6 +52,31 @@ def test_changes_after_the_call_do_not_reach_the_step_on_two_ranks(tmp_path):
     for r in check_ok(run_ranks(mutate_job, 2, str(tmp_path), str(tmp_path / "store"))):
         assert r["restored"] == [True, True, True] and r["kinds"] == ["delta"]
         assert all(b > 0 for b in r["blocked"])
+
+
+def over_budget_job(rank: int, world: int, root: str) -> dict:
+    # Each rank's 32 rows are 8 chunks through 4 staging buffers: the call writes 4 of them to
+    # make room and returns with the other 4 staged, their writes held until the table changed.
+    storage = HeldWrites(root, key="table", passing=4)
+    table = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+    local = table[rank * 32 : (rank + 1) * 32].clone()
+    ckpt = Checkpointer(storage, chunk_bytes=256, memory_budget=1024, io_threads=4, threads=4)
+    handle = ckpt.save(1, {"table": Shard(local, global_shape=(64, 16), global_offset=(rank * 32, 0))},
+                       blocking=False)
+    out = {"passed": storage.passed, "done": handle.done()}
+    local.fill_(-1.0)
+    storage.open()
+    out["kind"] = handle.result().kind
+    out["held"] = storage.held
+    ckpt.close()
+    with Checkpointer(root, create=False) as again:
+        out["loaded"] = torch.equal(again.load(1)["table"], table)
+    return out
+
+
+def test_a_base_over_the_budget_stages_in_pieces_on_two_ranks(tmp_path):
+    for r in check_ok(run_ranks(over_budget_job, 2, str(tmp_path), str(tmp_path / "store"))):
+        assert r == {"passed": 4, "done": False, "kind": "base", "held": 4, "loaded": True}, r
 
 
 def fault_job(rank: int, world: int, root: str, action: str) -> dict:

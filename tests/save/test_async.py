@@ -14,6 +14,7 @@ from torch import nn
 
 from deltackpt import Checkpointer, LocalStorage, StoreError
 from deltackpt.save.pending import SaveHandle
+from faults import HeldWrites
 from helpers import assert_same_state
 
 ROWS, DIM = 500, 8
@@ -164,3 +165,20 @@ def test_interpreter_exit_finishes_the_save_in_flight(tmp_path):
     with Checkpointer(tmp_path, create=False) as ckpt:
         assert ckpt.steps() == [1] and torch.equal(ckpt.load(1)["t"], torch.arange(200000.0))
         assert ckpt.verify().ok
+
+
+def test_a_base_over_the_budget_returns_once_its_last_pieces_are_staged(tmp_path):
+    # 16 chunks of 4 rows through 4 staging buffers: the call writes 12 chunks to make room and
+    # returns with the last 4 staged, their writes held until the training has changed the table.
+    storage = HeldWrites(tmp_path, key="table", passing=12)
+    table = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+    want = table.clone()
+    with Checkpointer(storage, chunk_bytes=256, memory_budget=1024, io_threads=4, threads=4) as ckpt:
+        handle = ckpt.save(1, {"table": table, "step": 1}, blocking=False)
+        assert storage.passed == 12 and not handle.done() and handle.blocked_seconds > 0
+        table.fill_(-1.0)
+        storage.open()
+        info = handle.result()
+        assert info.kind == "base" and info.blocked_seconds <= info.seconds and storage.held == 4
+    with Checkpointer(tmp_path, create=False) as ckpt:
+        assert torch.equal(ckpt.load(1)["table"], want) and ckpt.verify().ok
