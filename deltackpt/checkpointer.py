@@ -27,7 +27,6 @@ import datetime
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Literal, overload
 
@@ -36,6 +35,7 @@ import torch
 from .collectives import Collective
 from .errors import StepNotFoundError, StoreError
 from .io.staging import StagingPool
+from .io.threads import started_pool
 from .ops.compaction import CompactInfo, compact
 from .ops.gc import GCReport, Retention, collect
 from .ops.lease import DEFAULT_TTL
@@ -135,7 +135,7 @@ class Checkpointer:
         self._sizes = (chunk_bytes, dense_chunk_bytes)
         self._pool = StagingPool(memory_budget // chunk_bytes, chunk_bytes, pin=torch.cuda.is_available())
         workers = min(io_threads, threads)
-        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="deltackpt-io")
+        self._executor = started_pool(workers, "deltackpt-io")
         self._tracker = ChangeTracker(dense_chunk_bytes, Hasher(self._executor, workers))
         self._saver = Saver(self.store, self._coll, self.policy, self._tracker, self._pool,
                             self._executor, self._sizes, self._quantize, take_over=take_over,

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
+from ..io.threads import started_pool
 from .types import SaveInfo
 
 
@@ -64,7 +65,7 @@ class Background:
     """One thread that finishes saves, at most one in flight."""
 
     def __init__(self) -> None:
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="deltackpt-save")
+        self._thread = started_pool(1, "deltackpt-save")
         self._pending: SaveHandle | None = None
 
     def start(self, step: int, blocked_seconds: float, finish: Callable[[], SaveInfo]) -> SaveHandle:
