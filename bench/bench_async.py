@@ -1,25 +1,37 @@
-"""Background saves: how long training is blocked per checkpoint, how much slower training steps
-run while a save writes behind them, and how long a save takes to commit, against blocking saves
-and ``torch.distributed.checkpoint.async_save`` of the same state.
+"""Background saves against blocking ones and ``torch.distributed.checkpoint.async_save``, side by
+side in one run: how long training is blocked per checkpoint, how long a save takes to commit,
+how much slower training runs while a save finishes behind it, the host memory a save adds, and
+how long the first save of a fresh process blocks.
 
 The state is a DLRM-like model: ``--tables`` sparse EmbeddingBags of ``--rows`` x ``--dim`` float32
 rows with Adagrad (its per-row sum doubles the tables' bytes) and a small dense MLP; the
-checkpointer tracks the tables, so a delta writes the rows training marked. Each round, in turn:
+checkpointer tracks the tables, so a delta writes the rows training marked. The default size is
+~2.2 GB (8 tables of 524,288 x 64 and their sums); ``--quick`` is 128 MiB. Each round, in turn:
 
-  base        a blocking base; a background base (blocked time, then commit latency); DCP
-              ``async_save`` (blocked until its future is returned, then until it is done)
-  delta       a training step touching ``--delta`` of every table's rows, then a blocking delta;
-              the same again with a background delta
-  steps       ``--steps`` training steps alone, then the same number right after a background
-              delta started (its write and commit run beside them)
+  blocking    a base, a training step touching ``--delta`` of every table's rows, a delta
+  background  the same with ``blocking=False``: the blocked time (the call), the time to commit
+              (``SaveInfo.seconds``), the host memory the base added (peak resident memory above
+              the resident memory before the call, ``VmHWM`` after ``clear_refs``), and the
+              training steps run while each save finishes behind them, one at a time
+  alone       ``--steps`` training steps with no save running
+  DCP         ``async_save`` (default stager) of the same state after the base's and after the
+              delta's training step (DCP has no deltas: both are full saves): blocked until its
+              future is returned, then until it is done; the memory it added
+  over budget a background base with ``memory_budget`` a quarter of the state: it stages what
+              fits, writes it, stages the rest, and returns once the last piece is staged
+  GIL         a pure-Python loop (it holds the GIL all the time, as no training step does) alone
+              and while a background base finishes: how much of the GIL the save's threads take
+  fresh       in a new process, the blocked time of the first background save right after the
+              checkpointer is built, and of two later ones (the kernels warm in the background)
 
-Also timed once, in a fresh process each: the first save's blocked time (the hash kernels are
-warmed in the background when the checkpointer is built, so the first save should block no
-longer than later ones). Medians over ``--repeat`` rounds. The machine is shared: every figure
-carries the noise of other processes, which is printed per round.
+The staging budget of the background and blocking saves is the state's size (``--budget-mib``
+changes it), so a base is staged whole. Medians over ``--repeat`` rounds; the last table gives
+each goal's ratio. The machine is shared: every figure carries the noise of other processes,
+whose CPU time is printed per round.
 
 Example:
-    python bench/bench_async.py --tables 8 --rows 131072 --dim 64 --repeat 3
+    python bench/bench_async.py --quick
+    python bench/bench_async.py --repeat 3
 """
 
 from __future__ import annotations
@@ -32,15 +44,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 import deltackpt
 from deltackpt import Checkpointer
+from deltackpt.save.pending import SaveHandle
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import cpu_seconds, figure, json_option, others_cpu, write_figures  # noqa: E402
+
+MiB = 1 << 20
+QUICK = {"tables": 4, "rows": 65_536, "dim": 64, "steps": 5}
 
 
 def build(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
@@ -61,49 +78,112 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, rows: int, n: int, 
     opt.step()
 
 
-def first_save(args: argparse.Namespace, folder: str) -> float:
-    """The blocked time of the first background save in a fresh process."""
-    code = (
-        "import sys, time, torch, deltackpt\n"
-        "ckpt = deltackpt.Checkpointer(sys.argv[1])\n"
-        "time.sleep(float(sys.argv[2]))\n"
-        "t = torch.randn(20000, 32)\n"
-        "print(ckpt.save(1, {'t': t}, blocking=False).blocked_seconds)\n"
-        "ckpt.close()\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code, folder, str(args.warm_wait)], check=True,
-                         capture_output=True, text=True)
-    return float(out.stdout.strip().splitlines()[-1])
+def resident(field: str = "VmRSS") -> int:
+    """This process's resident memory (``VmRSS``) or its peak since the last reset (``VmHWM``), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def memory_added(run: Callable[[], object]) -> tuple[object, float]:
+    """``run()`` and the resident memory it added at its peak, in MiB."""
+    before = resident()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) starts again from the resident memory now
+    out = run()
+    return out, (resident("VmHWM") - before) / MiB
+
+
+def while_pending(done: Callable[[], bool], work: Callable[[], None]) -> list[float]:
+    """Seconds of each ``work()`` run one after another until ``done()`` (at least one)."""
+    times = timed(work, 1)
+    while not done():
+        times += timed(work, 1)
+    return times
+
+
+def timed(work: Callable[[], None], n: int) -> list[float]:
+    """Seconds of each of ``n`` runs of ``work()``."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def spin() -> None:
+    """Pure-Python work of about a millisecond, holding the GIL throughout."""
+    x = 0
+    for i in range(20_000):
+        x += i
+
+
+FRESH = """
+import sys, time, torch, deltackpt
+torch.set_num_threads(1)
+ckpt = deltackpt.Checkpointer(sys.argv[1], base_every=1)
+t = torch.randn(20000, 32)
+blocked = []
+for step in (1, 2, 3):
+    t += 1
+    h = ckpt.save(step, {'t': t}, blocking=False)
+    blocked.append(h.blocked_seconds)
+    h.result()
+ckpt.close()
+print(*blocked)
+"""
+
+
+def fresh_process(folder: str) -> list[float]:
+    """The blocked times of the first three background saves (bases of a 2.4 MiB tensor) of a
+    fresh process, the first right after the checkpointer is built."""
+    out = subprocess.run([sys.executable, "-c", FRESH, folder], check=True, capture_output=True, text=True)
+    return [float(v) for v in out.stdout.split()]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the small size: " + " ".join(
+        f"--{k} {v}" for k, v in QUICK.items()))
     p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--rows", type=int, default=131_072)
+    p.add_argument("--rows", type=int, default=524_288)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--delta", type=float, default=0.01, help="share of rows a delta's step touches")
-    p.add_argument("--steps", type=int, default=10, help="training steps timed beside a save")
+    p.add_argument("--steps", type=int, default=10, help="training steps timed with no save running")
+    p.add_argument("--budget-mib", type=int, default=None,
+                   help="staging budget of the saves (default: the state's size)")
+    p.add_argument("--save-threads", type=int, default=2,
+                   help="threads of each checkpointer (training runs on one thread)")
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--warm-wait", type=float, default=1.0,
-                   help="seconds between building the checkpointer and the first save")
     p.add_argument("--dir", default=tempfile.gettempdir())
     p.add_argument("--seed", type=int, default=0)
     json_option(p)
     args = p.parse_args()
+    if args.quick:
+        vars(args).update(QUICK)
+    torch.set_num_threads(1)  # one training thread; the saves' threads run beside it
     root = tempfile.mkdtemp(prefix="deltackpt-bench-async-", dir=args.dir)
     print(f"deltackpt from {os.path.dirname(deltackpt.__file__)}; torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs")
+          f"{os.cpu_count()} CPUs, 1 training thread, {args.save_threads} threads a checkpointer")
     model, opt, state = build(args)
     gen = torch.Generator().manual_seed(args.seed)
     train_step(model, opt, args.rows, 1, gen)
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 2
+    chunk = 32 * MiB
+    budget = args.budget_mib * MiB if args.budget_mib else max(2, -(-nbytes // chunk)) * chunk
     touched = max(1, int(args.delta * args.rows))
-    print(f"state: {args.tables} tables of {args.rows} x {args.dim} with Adagrad, ~{nbytes / 2**20:.0f} MiB; "
-          f"a delta's step touches {touched} rows a table")
+    print(f"state: {args.tables} tables of {args.rows} x {args.dim} with Adagrad, {nbytes / 1e9:.2f} GB; "
+          f"a delta's step touches {touched} rows a table; staging budget {budget / MiB:.0f} MiB")
     figures: dict[str, list[float]] = {}
 
     def note(name: str, value: float) -> None:
         figures.setdefault(name, []).append(value)
+
+    def train() -> None:
+        train_step(model, opt, args.rows, touched, gen)
 
     try:
         import torch.distributed as dist
@@ -116,71 +196,145 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001 - the bench runs without DCP
         print(f"no DCP async_save: {e}")
         have_dcp = False
+
+    def dcp_save(what: str, path: str) -> None:
+        sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+        t0 = time.perf_counter()
+
+        def run() -> None:
+            fut = dcp.async_save(sd, checkpoint_id=path)
+            note(f"{what} DCP async_save: blocked s", time.perf_counter() - t0)
+            fut.result()
+
+        _, added = memory_added(run)
+        note(f"{what} DCP async_save: to commit s", time.perf_counter() - t0)
+        if what == "base":
+            note("base DCP async_save: memory added MiB", added)
+        shutil.rmtree(path, ignore_errors=True)
+
     for r in range(args.repeat):
         start = cpu_seconds()
         step = 100 * r
-        for blocking in (True, False):
-            path = os.path.join(root, f"r{r}-{blocking}")
-            with Checkpointer(path, base_every=1000) as ckpt:
-                ckpt.track(model, prefix="model", optimizer=opt)
-                for what, at in (("base", step + 1), ("1% delta", step + 2)):
-                    if what != "base":
-                        train_step(model, opt, args.rows, touched, gen)
-                    t0 = time.perf_counter()
-                    out = ckpt.save(at, state, blocking=blocking)
-                    blocked = time.perf_counter() - t0
-                    info = out if blocking else out.result()
-                    mode = "blocking" if blocking else "background"
-                    note(f"{what} {mode}: blocked s", blocked)
-                    note(f"{what} {mode}: to commit s", info.seconds)
-                if not blocking:
-                    t0 = time.perf_counter()
-                    for _ in range(args.steps):
-                        train_step(model, opt, args.rows, touched, gen)
-                    alone = (time.perf_counter() - t0) / args.steps
-                    train_step(model, opt, args.rows, touched, gen)
-                    handle = ckpt.save(step + 3, state, blocking=False)
-                    t0 = time.perf_counter()
-                    for _ in range(args.steps):
-                        train_step(model, opt, args.rows, touched, gen)
-                    beside = (time.perf_counter() - t0) / args.steps
-                    handle.result()
-                    note("train step alone ms", 1000 * alone)
-                    note("train step beside a background delta ms", 1000 * beside)
-            shutil.rmtree(path)
+        path = os.path.join(root, f"r{r}-blocking")
+        with Checkpointer(path, base_every=1000, memory_budget=budget, threads=args.save_threads) as ckpt:
+            ckpt.track(model, prefix="model", optimizer=opt)
+            for what, at in (("base", step + 1), ("1% delta", step + 2)):
+                if what != "base":
+                    train()
+                info = ckpt.save(at, state)
+                note(f"{what} blocking: blocked s", info.blocked_seconds)
+        shutil.rmtree(path)
+        path = os.path.join(root, f"r{r}-background")
+        with Checkpointer(path, base_every=1000, memory_budget=budget, threads=args.save_threads) as ckpt:
+            ckpt.track(model, prefix="model", optimizer=opt)
+            for what, at in (("base", step + 1), ("1% delta", step + 2)):
+                if what != "base":
+                    train()
+
+                def background(at: int = at) -> tuple[SaveHandle, list[float]]:
+                    handle = ckpt.save(at, state, blocking=False)
+                    return handle, while_pending(handle.done, train)  # training goes on beside it
+
+                (handle, beside), added = memory_added(background)
+                info = handle.result()
+                note(f"{what} background: blocked s", info.blocked_seconds)
+                note(f"{what} background: to commit s", info.seconds)
+                note(f"train step beside a background {what.split()[-1]} ms", 1000 * statistics.median(beside))
+                if what == "base":
+                    note("base background: memory added MiB", added)
+        shutil.rmtree(path)
+        note("train step alone ms", 1000 * statistics.median(timed(train, args.steps)))
         if have_dcp:
-            path = os.path.join(root, f"dcp{r}")
-            sd = {"model": model.state_dict(), "optim": opt.state_dict()}
-            t0 = time.perf_counter()
-            fut = dcp.async_save(sd, checkpoint_id=path)
-            blocked = time.perf_counter() - t0
-            fut.result()
-            note("DCP async_save base: blocked s", blocked)
-            note("DCP async_save base: to commit s", time.perf_counter() - t0)
-            shutil.rmtree(path, ignore_errors=True)
-        note("first background save of a fresh process: blocked s",
-             first_save(args, os.path.join(root, f"fresh{r}")))
-        print(f"round {r + 1}/{args.repeat}: other processes {others_cpu(start, cpu_seconds()) or 0:.1f} CPU-s")
+            dcp_save("base", os.path.join(root, f"dcp{r}-base"))
+            train()
+            dcp_save("1% delta", os.path.join(root, f"dcp{r}-delta"))
+        path = os.path.join(root, f"r{r}-over")
+        with Checkpointer(path, memory_budget=max(2 * chunk, budget // 4 // chunk * chunk),
+                          threads=args.save_threads) as ckpt:
+            info = ckpt.save(step + 1, state, blocking=False).result()
+            note("base over the budget (1/4 of the state), background: blocked s", info.blocked_seconds)
+            note("base over the budget (1/4 of the state), background: to commit s", info.seconds)
+        shutil.rmtree(path)
+        path = os.path.join(root, f"r{r}-gil")
+        alone = statistics.median(timed(spin, 200))
+        with Checkpointer(path, memory_budget=budget, threads=args.save_threads) as ckpt:
+            handle = ckpt.save(step + 1, state, blocking=False)
+            beside = statistics.median(while_pending(handle.done, spin))
+            handle.result()
+        shutil.rmtree(path)
+        note("pure-Python loop alone ms", 1000 * alone)
+        note("pure-Python loop beside a background base ms", 1000 * beside)
+        first, *later = fresh_process(os.path.join(root, f"fresh{r}"))
+        note("first background save of a fresh process: blocked s", first)
+        note("later background saves of that process: blocked s", statistics.median(later))
+        print(f"round {r + 1}/{args.repeat}: other processes {others_cpu(start, cpu_seconds()) or 0:.1f} CPU-s",
+              flush=True)
+    report(figures, budget)
+    write_figures(args.json, "bench_async", args, [figure(name, values, unit, peer=peer, peer_runs=figures.get(peer))
+                                                   for name, values in figures.items()
+                                                   for unit, peer in [peer_of(name)]],
+                  state_bytes=nbytes, budget_bytes=budget)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def report(figures: dict[str, list[float]], budget: int) -> None:
+    """Prints every figure, then each goal's ratio of medians."""
+    med = {name: statistics.median(values) for name, values in figures.items()}
     print()
     print("| figure | median | runs |")
     print("| --- | --- | --- |")
     for name, values in figures.items():
-        print(f"| {name} | {statistics.median(values):.3f} | {', '.join(f'{v:.3f}' for v in values)} |")
-    write_figures(args.json, "bench_async", args, [figure(name, values, unit, peer=peer, peer_runs=figures.get(peer))
-                                                   for name, values in figures.items()
-                                                   for unit, peer in [peer_of(name)]], state_bytes=nbytes)
-    shutil.rmtree(root, ignore_errors=True)
+        print(f"| {name} | {med[name]:.3f} | {', '.join(f'{v:.3f}' for v in values)} |")
+    goals = [
+        ("1% delta blocked / its blocking save (goal <= 0.25)",
+         med["1% delta background: blocked s"] / med["1% delta blocking: blocked s"]),
+        ("base blocked, s (goal <= 0.35 at 2.2 GB)", med["base background: blocked s"]),
+        ("base call to commit / its blocking save (goal <= 1.3)",
+         med["base background: to commit s"] / med["base blocking: blocked s"]),
+        ("1% delta call to commit / its blocking save (goal <= 1.3)",
+         med["1% delta background: to commit s"] / med["1% delta blocking: blocked s"]),
+        ("train step beside a background base / alone (goal <= 1.1)",
+         med["train step beside a background base ms"] / med["train step alone ms"]),
+        ("train step beside a background delta / alone (goal <= 1.1)",
+         med["train step beside a background delta ms"] / med["train step alone ms"]),
+        ("memory a background base added - staging budget, MiB (goal <= 64)",
+         med["base background: memory added MiB"] - budget / MiB),
+        ("pure-Python loop beside a background base / alone",
+         med["pure-Python loop beside a background base ms"] / med["pure-Python loop alone ms"]),
+        ("first background save of a fresh process / later ones (goal <= 1)",
+         med["first background save of a fresh process: blocked s"]
+         / med["later background saves of that process: blocked s"]),
+    ]
+    if "base DCP async_save: blocked s" in med:
+        goals += [
+            ("base blocked / DCP async_save's (goal < 1)",
+             med["base background: blocked s"] / med["base DCP async_save: blocked s"]),
+            ("1% delta blocked / DCP async_save's (goal < 1)",
+             med["1% delta background: blocked s"] / med["1% delta DCP async_save: blocked s"]),
+        ]
+    print()
+    print("| goal | ratio of medians |")
+    print("| --- | --- |")
+    for name, value in goals:
+        print(f"| {name} | {value:.3f} |")
 
 
 def peer_of(name: str) -> tuple[str, str | None]:
     """The unit of figure ``name`` and the figure measured beside it that it is compared with."""
-    unit = "ms" if name.endswith(" ms") else "s"
-    if name.startswith("base background"):
-        return unit, name.replace("base background", "DCP async_save base")
-    if name.startswith("1% delta background"):
-        return unit, name.replace("background", "blocking")
-    if name == "train step beside a background delta ms":
+    unit = "ms" if name.endswith(" ms") else "MiB" if name.endswith(" MiB") else "s"
+    for what in ("base", "1% delta"):
+        if name.startswith(f"{what} background: blocked"):
+            return unit, f"{what} DCP async_save: blocked s"
+        if name.startswith(f"{what} background: to commit"):
+            return unit, f"{what} blocking: blocked s"
+    if name == "base background: memory added MiB":
+        return unit, "base DCP async_save: memory added MiB"
+    if name.startswith("train step beside"):
         return unit, "train step alone ms"
+    if name == "pure-Python loop beside a background base ms":
+        return unit, "pure-Python loop alone ms"
+    if name == "first background save of a fresh process: blocked s":
+        return unit, "later background saves of that process: blocked s"
     return unit, None
 
 
