@@ -388,7 +388,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._background.close()
-            self._saver.release_lease()
+            self._saver.close()
             self._executor.shutdown(wait=True)
 
     def __enter__(self) -> Checkpointer:

@@ -27,6 +27,7 @@ class StagingPool:
     """
 
     def __init__(self, buffers: int, nbytes: int, *, pin: bool = False):
+        self.buffers = buffers
         self.nbytes = nbytes
         self._pin = pin
         self._free: queue.LifoQueue[torch.Tensor] = queue.LifoQueue()

@@ -8,7 +8,9 @@ zarr v3 stores them, so any zarr v3 reader reads the arrays.
 
 A delta's chunks go back to back into one pack per writing rank instead (see
 :mod:`deltackpt.io.pack`), and the record gives each chunk's offset in it beside its size and
-checksum.
+checksum. A chunk already in a staging buffer of its own (a delta's gathered rows) is appended
+by the pack thread, with its rows' hashes, so that the saving thread only gathers: it returns
+to training sooner.
 """
 
 from __future__ import annotations
@@ -72,6 +74,18 @@ def run_shared(executor: Executor, jobs: list[Callable[[], None]]) -> None:
         raise error
 
 
+def _then(job: Callable[[], None], after: Callable[[], None]) -> Callable[[], None]:
+    """``job``, then ``after`` however it ended."""
+
+    def run() -> None:
+        try:
+            job()
+        finally:
+            after()
+
+    return run
+
+
 class StepWriter:
     """Writes files of one save attempt under ``folder``; :meth:`finish` returns what was written.
 
@@ -82,15 +96,23 @@ class StepWriter:
         executor: the I/O threads.
         pack: the pack that takes every chunk (a delta's ``pack.<rank>``); None writes a file
             per chunk.
+        packer: one thread that appends staged chunks to the pack (None: the calling thread
+            appends every chunk).
     """
 
     def __init__(self, storage: Storage, folder: str, pool: StagingPool, executor: Executor,
-                 pack: str | None = None):
+                 pack: str | None = None, packer: Executor | None = None):
         self._storage = storage
         self._folder = folder
         self.pool = pool
         self._executor = executor
         self._futures: list[Future[None]] = []
+        # Appends queued on the packer, each holding its staging buffer: at most all but two
+        # buffers, so that the pack (filling one) and the caller (gathering one) always get one.
+        self._packer = packer if pool.buffers > 2 else None
+        self._ahead = threading.Semaphore(max(0, pool.buffers - 2))
+        self._appends: list[Future[None]] = []
+        self._appending = threading.Lock()  # one append at a time, from either thread
         self._lock = threading.Lock()
         self.results: dict[tuple[str, str], ChunkMap] = {}
         self.packs: dict[str, ChunkMap] = {}  # a pack's own files, by pack name
@@ -134,13 +156,13 @@ class StepWriter:
 
         Raises the first write error, after every write has ended.
         """
-        error = None
+        error = self._wait(self._appends)
         if self._pack is not None:
             try:
                 self._pack.close()
             except BaseException as e:  # noqa: BLE001 - the queued writes must still end
-                error = e
-        error = self._wait() or error
+                error = error or e
+        error = self._wait(self._futures) or error
         if error is not None:
             raise error
         return self.results
@@ -148,14 +170,16 @@ class StepWriter:
     def abandon(self) -> None:
         """After a failure: waits for the queued writes and gives back every staging buffer,
         ignoring write errors (the failure that led here is the one to report)."""
+        self._wait(self._appends)  # before the pack ends: none may start it again
         if self._pack is not None:
             self._pack.discard()
-        self._wait()
+        self._wait(self._futures)
 
-    def _wait(self) -> BaseException | None:
-        """Waits for every queued write; returns the first error."""
+    @staticmethod
+    def _wait(futures: list[Future[None]]) -> BaseException | None:
+        """Waits for every one of ``futures``; returns the first error."""
         error = None
-        for f in self._futures:
+        for f in futures:
             try:
                 f.result()
             except BaseException as e:  # noqa: BLE001 - every write must end before raising
@@ -169,10 +193,15 @@ class StepWriter:
             hash_into: torch.Tensor | None = None, packed: bool | None = None) -> None:
         """Queues one chunk: ``data`` (rows of a tensor) followed by ``pad`` zero bytes, coded as a
         zarr array of ``dtype`` would be (``uncoded``: not coded); with ``hash_into``, the hash
-        of each of ``data``'s rows goes there first, on the write's thread (for the pack, on this
-        one). ``packed``: into the pack, or a file (None: into the pack if the writer has one)."""
+        of each of ``data``'s rows goes there first, on the write's thread (for the pack, on the
+        thread that appends it). ``packed``: into the pack, or a file (None: into the pack if the
+        writer has one). With ``release``, ``data`` is the put's until it is called (a staging
+        buffer of its own): the packer may append it later; without, it is read before this
+        returns."""
+        owned = release is not None
         release = release or (lambda: None)
         if data.device.type != "cpu":
+            owned = True
             host = self.pool.acquire(data.numel() * data.element_size())
             host.view(data.dtype).view(data.shape).copy_(data)
             data, inner = host, release
@@ -194,12 +223,11 @@ class StepWriter:
             return [memoryview(codec.encode(whole))]
 
         self._submit(key, path, name, parts, release,
-                     packed=self._pack is not None if packed is None else packed)
+                     packed=self._pack is not None if packed is None else packed, owned=owned)
 
-    def gather(self, flat: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
-                hash_into: torch.Tensor | None) -> None:
-        """Copies rows ``ids`` of ``flat`` (CPU) into ``out`` (a staging buffer), and their hashes into ``hash_into``
-        if given, in pieces of at least ``PARALLEL_MIN`` bytes run by the I/O threads and this one.
+    def gather(self, flat: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Copies rows ``ids`` of ``flat`` (CPU) into ``out`` (a staging buffer), in pieces of at
+        least ``PARALLEL_MIN`` bytes run by the I/O threads and this one.
 
         numpy's take, not torch's index_select: on a busy node, waking torch's thread pool made
         gathering 5,000 rows of 128 B take 7 ms where one thread took 0.02 ms. The ids are
@@ -212,20 +240,30 @@ class StepWriter:
 
         def piece(lo: int) -> None:
             np.take(src, idx[lo : lo + step], axis=0, out=dst[lo : lo + step], mode="clip")
-            if hash_into is not None:
-                hash_into[lo : lo + step] = kernels.hash_rows(out[lo : lo + step], threads=1)
 
         run_shared(self._executor, [partial(piece, lo) for lo in range(0, n, step)])
 
     def _submit(self, key: str, path: str, name: str, parts: Callable[[], list[memoryview]],
-                release: Callable[[], None] = lambda: None, *, packed: bool = False) -> None:
+                release: Callable[[], None] = lambda: None, *, packed: bool = False,
+                owned: bool = False) -> None:
         chunks = self.results.setdefault((key, path), {})
         if packed:
-            assert self._pack is not None  # packed chunks come only to a writer with a pack
-            try:
-                chunks[name] = self._pack.append(parts())
-            finally:
-                release()
+            pack = self._pack
+            assert pack is not None  # packed chunks come only to a writer with a pack
+
+            def append() -> None:
+                try:
+                    data = parts()
+                    with self._appending:
+                        chunks[name] = pack.append(data)
+                finally:
+                    release()
+
+            if owned and self._packer is not None:
+                self._ahead.acquire()
+                self._appends.append(self._packer.submit(_then(append, self._ahead.release)))
+            else:
+                append()
             return
 
         def record(size: int, digest: str) -> None:

@@ -24,6 +24,7 @@ from ..errors import BrokenChainError, StateError
 from ..format.layout import STEPS
 from ..format.manifest import Manifest
 from ..io.staging import StagingPool
+from ..io.threads import started_pool
 from ..io.writer import StepWriter
 from ..ops import lease
 from ..policy import BasePolicy, ChainState
@@ -75,6 +76,7 @@ class Saver:
         self._planner = GlobalPlanner(coll.size)  # used on the coordinator only
         self._assignment: Assignment | None = None  # the parts this rank writes
         self._lease = lease.Claim(store.storage, ttl=lease_ttl, take_over=take_over)
+        self._packer = started_pool(1, "deltackpt-pack")  # appends a delta's gathered rows
 
     @paused()  # per-tensor objects by the thousand, no cycles: collections would walk them all
     def stage(self, step: int, state: Mapping[str, Any], t0: float
@@ -105,7 +107,7 @@ class Saver:
         finally:
             if published is not None:
                 wait([published])  # never left running behind a failed save
-        writers = [open_writer(storage, save, self._coll.rank, self._pool, self._executor)]
+        writers = [open_writer(storage, save, self._coll.rank, self._pool, self._executor, self._packer)]
         if coordinator:
             writers.append(StepWriter(storage, f"{STEPS}/{save.attempt}", self._pool, self._executor))
         held = counts(save.kind, ((it.key, it.part) for it in items), mine)
@@ -224,5 +226,9 @@ class Saver:
         self._head = head
         self._chain = chain
 
-    def release_lease(self) -> None:
-        self._lease.release()
+    def close(self) -> None:
+        """Releases the writer lease and ends the pack thread."""
+        try:
+            self._lease.release()
+        finally:
+            self._packer.shutdown(wait=True)

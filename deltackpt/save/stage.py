@@ -82,9 +82,11 @@ def stage_part(writer: StepWriter, kind: Kind, item: WriteItem, change: TensorCh
 
 
 def open_writer(storage: Storage, save: SavePlan, rank: int, pool: StagingPool,
-                executor: Executor) -> StepWriter:
-    """The writer of ``rank``'s chunks of the step, with its pack."""
-    return StepWriter(storage, f"{STEPS}/{save.attempt}", pool, executor, pack=pack_name(rank))
+                executor: Executor, packer: Executor | None = None) -> StepWriter:
+    """The writer of ``rank``'s chunks of the step, with its pack (appended by ``packer``, see
+    :class:`~deltackpt.io.writer.StepWriter`)."""
+    return StepWriter(storage, f"{STEPS}/{save.attempt}", pool, executor, pack=pack_name(rank),
+                      packer=packer)
 
 
 def stage(writers: list[StepWriter], save: SavePlan, items: tuple[WriteItem, ...],

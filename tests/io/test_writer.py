@@ -3,12 +3,14 @@ and checksum recorded."""
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 import xxhash
 
+from deltackpt import kernels
 from deltackpt.format.encodings import FULL, get, write_block
 from deltackpt.format.zarr_meta import codec_for
 from deltackpt.io.staging import StagingPool
@@ -46,3 +48,31 @@ def test_a_pack_holds_chunks_back_to_back_with_their_offsets():
     size, _, at = entries["ids/c.1"]
     ids = codec_for(torch.int64).decode(pack[at : at + size])
     assert np.frombuffer(ids, np.int64).tolist() == [6, 0]  # padded to the chunk
+
+
+def test_the_pack_thread_appends_staged_rows_and_the_caller_copies_live_chunks():
+    # A delta's gathered rows (in staging buffers of their own) are appended, and hashed, by the
+    # pack thread, held here until the caller has changed every tensor; a live tensor's chunk
+    # put without a release is copied before the put returns.
+    storage, pool = MemoryStorage(), StagingPool(8, 64)
+    t = torch.arange(40, dtype=torch.float32).reshape(10, 4)
+    dense = torch.arange(6, dtype=torch.float32)
+    want_rows, want_dense = t[[1, 5, 6]].clone(), dense.clone()
+    hashes = torch.zeros(3, dtype=torch.int64)
+    held = threading.Event()
+    with ThreadPoolExecutor(2) as ex, ThreadPoolExecutor(1) as packer:
+        packer.submit(held.wait, 30)
+        w = StepWriter(storage, "steps/3-c", pool, ex, pack="pack.0", packer=packer)
+        get("rows").encode(w, "t", "", t, torch.tensor([1, 5, 6]), (2, 4), hash_into=hashes)
+        write_block(w, "d", "", dense, (6,), packed=True)
+        assert not hashes.any()  # not hashed yet: the pack thread is held
+        t.fill_(-1.0)
+        dense.fill_(-1.0)
+        held.set()
+        entries = w.finish()
+    pack = b"".join(storage.read(f"steps/3-c/pack.0/c.{i}") for i in range(len(w.packs["pack.0"]) - 1))
+    rows = b"".join(pack[at : at + size] for size, _, at in (entries[("t", "")][f"rows/c.{i}.0"] for i in (0, 1)))
+    assert rows[: 3 * 16] == want_rows.numpy().tobytes()
+    size, _, at = entries[("d", "")]["c.0"]
+    assert pack[at : at + size] == want_dense.numpy().tobytes()
+    assert torch.equal(hashes, kernels.hash_rows(want_rows))

@@ -96,15 +96,15 @@ class ChunkSink(Protocol):
             release: Callable[[], None] | None = None, uncoded: bool = False,
             hash_into: torch.Tensor | None = None, packed: bool | None = None) -> None:
         """Queues chunk ``name`` of a part: ``data`` then ``pad`` zero bytes, coded as an array of
-        ``dtype`` is unless ``uncoded``; ``release`` runs once it is written. With ``hash_into``,
-        the hash of each of ``data``'s rows goes there first, on the write's thread. ``packed``:
-        into the writer's pack (copied before this returns), or a file of its own (None: into
-        the pack if the writer has one)."""
+        ``dtype`` is unless ``uncoded``; ``release`` runs once it is written, and until then
+        ``data`` must not change (without ``release``, a packed chunk is copied before this
+        returns). With ``hash_into``, the hash of each of ``data``'s rows goes there first, on
+        the write's thread. ``packed``: into the writer's pack, or a file of its own (None:
+        into the pack if the writer has one)."""
 
-    def gather(self, flat: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
-               hash_into: torch.Tensor | None) -> None:
-        """Copies rows ``ids`` of ``flat`` (on the CPU) into ``out``, and their hashes into
-        ``hash_into`` if given, on the writer's threads and this one."""
+    def gather(self, flat: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Copies rows ``ids`` of ``flat`` (on the CPU) into ``out``, on the writer's threads
+        and this one."""
 
     def note_bound(self, key: str, bound: float) -> None:
         """Records the largest error bound of the quantized rows written for ``key``."""

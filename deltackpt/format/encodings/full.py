@@ -150,7 +150,8 @@ def write_block(sink: ChunkSink, key: str, path: str, t: torch.Tensor, chunk_sha
                 first_chunk: int = 0, release: Callable[[], None] | None = None,
                 hash_into: torch.Tensor | None = None, packed: bool | None = None) -> None:
     """Queues every chunk of ``t``, rows of a ``full`` part from chunk ``first_chunk`` on, already
-    in memory that the writes may read; ``release`` runs once all of them are written. With
+    in memory that the writes may read; ``release`` runs once all of them are written (without
+    it, ``t`` may be a live tensor: a packed chunk is copied before this returns). With
     ``hash_into`` (int64, a slot a row), the write threads put each row's hash there first.
     ``packed``: as :meth:`ChunkSink.put` takes it."""
     rows = t.shape[0] if t.dim() else 1
@@ -175,5 +176,5 @@ def write_block(sink: ChunkSink, key: str, path: str, t: torch.Tensor, chunk_sha
     for i in range(n):
         lo, hi = i * cr, min(rows, (i + 1) * cr)
         sink.put(key, path, chunk_key(first_chunk + i, t.dim()), flat[lo:hi],
-                 (cr - (hi - lo)) * row_bytes, t.dtype, release=one_done,
+                 (cr - (hi - lo)) * row_bytes, t.dtype, release=None if release is None else one_done,
                  hash_into=None if hash_into is None else hash_into[lo:hi], packed=packed)

@@ -115,23 +115,29 @@ class Rows(Encoding):
             sink.put(key, path, f"ids/{chunk_key(i, 1)}", ids + row_offset, pad_rows * 8, torch.int64)
             buf = sink.pool.acquire((hi - lo) * row_bytes)
             out = buf.view(t.dtype).view(hi - lo, flat.shape[1])
-            if t.device.type == "cpu":
-                sink.gather(flat, ids, out, None if hash_into is None else hash_into[lo:hi])
-            else:
-                out.copy_(flat.index_select(0, ids.to(t.device)))
-                if hash_into is not None:
-                    hash_into[lo:hi] = kernels.hash_rows(out, threads=1)
+            try:
+                if t.device.type == "cpu":
+                    sink.gather(flat, ids, out)
+                else:
+                    out.copy_(flat.index_select(0, ids.to(t.device)))
+            except BaseException:
+                sink.pool.release(buf)
+                raise
             bound = max(bound, self._put_rows(sink, key, path, i, t.dim(), out, buf, pad_rows,
-                                              ids + row_offset, rule))
+                                              ids + row_offset, rule,
+                                              None if hash_into is None else hash_into[lo:hi]))
         if self.quantized:
             sink.note_bound(key, bound)
 
     def _put_rows(self, sink: ChunkSink, key: str, path: str, i: int, ndim: int, out: torch.Tensor,
-                  buf: torch.Tensor, pad_rows: int, ids: torch.Tensor, rule: Rowwise | None) -> float:
+                  buf: torch.Tensor, pad_rows: int, ids: torch.Tensor, rule: Rowwise | None,
+                  hash_into: torch.Tensor | None) -> float:
         """Queues chunk ``i`` of the rows, gathered in ``out`` (in the staging buffer ``buf``,
-        given back once written); returns the largest bound of its rows (0: exact)."""
+        given back once written), their hashes going into ``hash_into`` by the thread that
+        writes them; returns the largest bound of its rows (0: exact)."""
         sink.put(key, path, f"rows/{chunk_key(i, ndim)}", out, pad_rows * out.shape[1] * out.element_size(),
-                 out.dtype, release=partial(sink.pool.release, buf), uncoded=not self.coded(out.dtype))
+                 out.dtype, release=partial(sink.pool.release, buf), uncoded=not self.coded(out.dtype),
+                 hash_into=hash_into)
         return 0.0
 
     def row_chunks(self, m: Manifest, key: str, rec: TensorRecord, part: PartRecord,
@@ -258,10 +264,14 @@ class QRows(Rows):
         return None
 
     def _put_rows(self, sink: ChunkSink, key: str, path: str, i: int, ndim: int, out: torch.Tensor,
-                  buf: torch.Tensor, pad_rows: int, ids: torch.Tensor, rule: Rowwise | None) -> float:
+                  buf: torch.Tensor, pad_rows: int, ids: torch.Tensor, rule: Rowwise | None,
+                  hash_into: torch.Tensor | None) -> float:
         if rule is None:
+            sink.pool.release(buf)
             raise StateError(f"{key!r}: a {self.name} part needs a quantization rule")
         try:
+            if hash_into is not None:  # of the exact rows, before they are quantized
+                hash_into.copy_(kernels.hash_rows(out, threads=1).cpu())
             packed, bounds = rowwise.quantize_rows(out, rule.bits, adaptive=rule.adaptive,
                                                    scale_dtype=rule.scale_dtype)
         except rowwise.RowError as e:
