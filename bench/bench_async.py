@@ -11,8 +11,9 @@ checkpointer tracks the tables, so a delta writes the rows training marked. The 
   blocking    a base, a training step touching ``--delta`` of every table's rows, a delta
   background  the same with ``blocking=False``: the blocked time (the call), the time to commit
               (``SaveInfo.seconds``), the host memory the base added (peak resident memory above
-              the resident memory before the call, ``VmHWM`` after ``clear_refs``), and the
-              training steps run while each save finishes behind them, one at a time
+              the resident memory before the call, ``VmHWM`` after ``clear_refs``)
+  beside      a background base and delta again, with training steps run one after another
+              while each finishes behind them: their time, and the time to commit
   alone       ``--steps`` training steps with no save running
   DCP         ``async_save`` (default stager) of the same state after the base's and after the
               delta's training step (DCP has no deltas: both are full saves): blocked until its
@@ -51,7 +52,6 @@ from torch import nn
 
 import deltackpt
 from deltackpt import Checkpointer
-from deltackpt.save.pending import SaveHandle
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import cpu_seconds, figure, json_option, others_cpu, write_figures  # noqa: E402
@@ -230,18 +230,23 @@ def main() -> None:
             for what, at in (("base", step + 1), ("1% delta", step + 2)):
                 if what != "base":
                     train()
-
-                def background(at: int = at) -> tuple[SaveHandle, list[float]]:
-                    handle = ckpt.save(at, state, blocking=False)
-                    return handle, while_pending(handle.done, train)  # training goes on beside it
-
-                (handle, beside), added = memory_added(background)
-                info = handle.result()
+                info, added = memory_added(lambda at=at: ckpt.save(at, state, blocking=False).result())
                 note(f"{what} background: blocked s", info.blocked_seconds)
                 note(f"{what} background: to commit s", info.seconds)
-                note(f"train step beside a background {what.split()[-1]} ms", 1000 * statistics.median(beside))
                 if what == "base":
                     note("base background: memory added MiB", added)
+        shutil.rmtree(path)
+        # Training beside the saves (its steps would grow the delta above, so apart from it).
+        path = os.path.join(root, f"r{r}-beside")
+        with Checkpointer(path, base_every=1000, memory_budget=budget, threads=args.save_threads) as ckpt:
+            ckpt.track(model, prefix="model", optimizer=opt)
+            for what, at in (("base", step + 1), ("delta", step + 2)):
+                if what != "base":
+                    train()
+                handle = ckpt.save(at, state, blocking=False)
+                beside = while_pending(handle.done, train)
+                note(f"train step beside a background {what} ms", 1000 * statistics.median(beside))
+                note(f"{what} background, training beside: to commit s", handle.result().seconds)
         shutil.rmtree(path)
         note("train step alone ms", 1000 * statistics.median(timed(train, args.steps)))
         if have_dcp:
