@@ -3,8 +3,9 @@
 Drives the package's own control-plane code for every simulated rank, without processes or I/O:
 ``plan_local`` on every rank's state (tensors allocated but never filled), the coordinator's
 ``GlobalPlanner``, ``write_items``, ``summarize`` (scan summaries), ``decide``,
-``build_manifest`` and ``Manifest.to_json``, then ``parse_manifest`` as a restore or
-``load`` parses and validates the record. What the writers would have written is made up from
+``build_manifest`` and ``encode_record`` (the root record and the part tables), then
+``parse_manifest`` (the root alone, as ``ls`` reads it) and every part table, as a restore or
+``load`` of every tensor reads and checks them. What the writers would have written is made up from
 the plan (chunk sizes exact, coded chunks at their largest size, data chunk checksums
 stand-ins); the metadata files' entries are real.
 
@@ -42,6 +43,7 @@ from deltackpt.format.layout import pack_name
 from deltackpt.format.limits import BLOSC_HEADER
 from deltackpt.format.manifest import ChunkMap, Manifest
 from deltackpt.format.record_checks import parse_manifest
+from deltackpt.format.record_io import TableReader, checksum, encode_record
 from deltackpt.format.zarr_meta import array_doc
 from deltackpt.policy import BasePolicy, ChainState, EveryK
 from deltackpt.save.commit import build_manifest
@@ -216,7 +218,9 @@ class Run:
     phases: list[Phase] = field(default_factory=list)
     plans: list[GlobalPlan] = field(default_factory=list)
     records: list[Manifest] = field(default_factory=list)
-    record_bytes: list[int] = field(default_factory=list)
+    record_bytes: list[int] = field(default_factory=list)  # root records
+    table_bytes: list[int] = field(default_factory=list)  # all part tables of each record
+    one_tensor_tables: list[int] = field(default_factory=list)  # tables a load of one tensor reads
     progress: bool = False
 
     def add(self, phase: Phase) -> Phase:
@@ -314,19 +318,36 @@ def simulate(world: int, state_of: StateOf, *, changed: Changed, sizes: tuple[in
             save, plan, counts(save.kind, plan.parts(), everyone), results, head=head, world_size=world,
             policy={"name": policy.name, "decision": str(save.kind), "reason": save.reason}, sizes=sizes))
         run.add(Phase(f"{step}: build_manifest", "coordinator", s))
-        data, s = _timed(record.to_json)
-        run.add(Phase(f"{step}: to_json", "coordinator", s, 0.0, len(data)))
+        (root, tables), s = _timed(lambda: encode_record(record))
+        table_bytes = sum(len(t) for t in tables.values())
+        run.add(Phase(f"{step}: encode_record", "coordinator", s, 0.0, len(root) + table_bytes))
         rows = sum(r.changed for r in record.tensors.values() if len(r.shape) >= 2)
         _broadcast(run, f"{step}: commit", Committed(record.bytes_written, record.state_bytes, rows), 0.0)
         del results, scans, everyone, items, locals_, sent
-        parsed, s = _timed(lambda: parse_manifest(data, f"commits/{step}"))
-        run.add(Phase(f"{step}: from_json (restore, load)", "every reader", s, 0.0, 0, len(data)))
+        parsed, s = _timed(lambda: parse_manifest(root, f"commits/{step}", _reader(tables)))
+        run.add(Phase(f"{step}: parse root (ls; reader)", "every reader", s, 0.0, 0, len(root)))
+        _, s = _timed(lambda: [tuple(t.parts) for t in parsed.tensors.values()])
+        run.add(Phase(f"{step}: every part table (restore, load; reader)", "every reader", s, 0.0, 0,
+                      table_bytes))
+        one = next(iter(parsed.tensors), None)
+        tables_read = len({p.rank for p in parsed.tensors[one].parts}) if one is not None else 0
         run.records.append(parsed)
-        run.record_bytes.append(len(data))
+        run.record_bytes.append(len(root))
+        run.table_bytes.append(table_bytes)
+        run.one_tensor_tables.append(tables_read)
         head = record
         chain = ChainState(0, 0, record.bytes_written) if save.kind == Kind.BASE else ChainState(
             chain.deltas + 1, chain.delta_bytes + record.bytes_written, chain.base_bytes)
     return run
+
+
+def _reader(tables: dict[int, bytes]) -> TableReader:
+    """Reads a part table from memory, checked as a store checks it."""
+    def read(key: str, size: int, digest: str) -> bytes:
+        data = tables[int(key.rsplit(".", 1)[1])]
+        assert len(data) == size and checksum(data) == digest
+        return data
+    return read
 
 
 def _scan(items: tuple[WriteItem, ...], changed: Changed | None, sizes: tuple[int, int]) -> list[PartScan]:
@@ -344,7 +365,9 @@ def _scan(items: tuple[WriteItem, ...], changed: Changed | None, sizes: tuple[in
 
 def table(run: Run, job: Job) -> str:
     lines = [f"W = {job.world} ranks x T = {job.tensors} tensors, mix {job.mix}; "
-             f"records {', '.join(f'{b / MiB:.1f} MiB' for b in run.record_bytes)}; received by a "
+             f"root records {', '.join(f'{b / MiB:.3f} MiB' for b in run.record_bytes)}; part tables "
+             f"{', '.join(f'{b / MiB:.1f} MiB' for b in run.table_bytes)}; a load of one tensor reads "
+             f"{', '.join(map(str, run.one_tensor_tables))} tables; received by a "
              f"rank other than the coordinator: {run.rank_received(1):,} B (new layout), "
              f"{run.rank_received(2):,} B (a later save)",
              "", "| phase | where | s (coordinator / per rank mean) | s (slowest rank / unpickle) "
@@ -384,7 +407,8 @@ def main() -> None:
         mean = p.seconds / job.world if p.where == "every rank" else p.seconds
         rows.append(figure(f"{p.name} ({'per rank mean' if p.where == 'every rank' else p.where})", mean))
         rows.append(figure(f"{p.name}: MB received per rank", p.received / 1e6, "MB"))
-    rows += [figure(f"record of save {i + 1}", b / MiB, "MiB") for i, b in enumerate(run.record_bytes)]
+    rows += [figure(f"root record of save {i + 1}", b / MiB, "MiB") for i, b in enumerate(run.record_bytes)]
+    rows += [figure(f"part tables of save {i + 1}", b / MiB, "MiB") for i, b in enumerate(run.table_bytes)]
     out = args.json or str(Path(__file__).parent / "results" / f"control_plane_W{job.world}_T{job.tensors}.json")
     write_figures(out, "bench_control_plane", args, rows, parts=parts, record_bytes=run.record_bytes,
                   phases=[vars(p) for p in run.phases])

@@ -103,7 +103,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     m = store.manifest(args.step)
     chain = [c.step for c in store.chain(args.step)]
     if args.json:
-        doc = json.loads(m.to_json())
+        doc = m.to_doc()
         doc["chain"] = chain
         _print_json(doc)
         return 0

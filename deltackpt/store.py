@@ -23,6 +23,7 @@ from .format.layout import BASES, COMMITS, RECORD_NAME, STEPS, base_key, commit_
 from .format.limits import MAX_RECORD_BYTES, MAX_STEP
 from .format.manifest import FORMAT, Manifest
 from .format.record_checks import parse_manifest
+from .format.record_io import checksum, encode_record, table_key
 from .format.zarr_meta import group_doc
 from .storage import Storage
 
@@ -80,6 +81,22 @@ class Store:
                                    f"(a record holds at most {limit})")
         return self.storage.read(key)
 
+    def read_table(self, key: str, size: int, digest: str) -> bytes:
+        """A record's part table, refused unless its size and checksum are those the root lists
+        (sized before it is read).
+
+        Raises:
+            ManifestError: naming the table.
+        """
+        got = self.storage.size(key)
+        if got != size:
+            raise ManifestError(f"{key}: the record lists a part table of {size} bytes, "
+                                + ("it is missing" if got is None else f"it has {got}"))
+        data = self.storage.read(key)
+        if len(data) != size or checksum(data) != digest:
+            raise ManifestError(f"{key}: the part table does not match its checksum in the record")
+        return data
+
     def compacted(self, step: int) -> Manifest | None:
         """The base compaction made for ``step``, or None."""
         if step in self._bases:
@@ -89,7 +106,7 @@ class Store:
             data = self._read_small(key)
         except FileNotFoundError:
             return None
-        m = parse_manifest(data, key)
+        m = parse_manifest(data, key, self.read_table)
         if m.step != step or m.compacts is None:
             raise ManifestError(f"{key}: is not a compacted base of step {step}")
         self._bases[step] = m
@@ -109,7 +126,7 @@ class Store:
             data = self._read_small(key)
         except FileNotFoundError:
             raise StepNotFoundError(step, self.steps()) from None
-        m = parse_manifest(data, key)
+        m = parse_manifest(data, key, self.read_table)
         if m.step != step:
             raise ManifestError(f"{key}: records step {m.step}, not {step}")
         self._manifests[step] = m
@@ -168,15 +185,24 @@ class Store:
         return f"{step}-{uuid.uuid4().hex[:12]}"
 
     def commit(self, manifest: Manifest) -> bool:
-        """Creates the step's record (or, for a compacted base, its base record) if absent;
-        returns False if it exists already."""
+        """Writes the step's part tables into its attempt folder and makes them durable, then
+        creates its root record (or, for a compacted base, its base record) if absent; returns
+        False if it exists already."""
+        key = base_key(manifest.step) if manifest.compacts is not None else commit_key(manifest.step)
+        if self.storage.size(key) is not None:
+            return False
+        root, tables = encode_record(manifest)
+        keys = [table_key(manifest.attempt, rank) for rank in tables]
+        for at, data in zip(keys, tables.values()):
+            if self.storage.size(at) is None:  # a retried commit of this attempt wrote it
+                self.storage.write(at, [memoryview(data)])
+        self.storage.sync(keys)
+        done = self.storage.put_if_absent(key, root)
         if manifest.compacts is not None:
-            return self.storage.put_if_absent(base_key(manifest.step), manifest.to_json())
-        data = manifest.to_json()
-        done = self.storage.put_if_absent(commit_key(manifest.step), data)
+            return done
         if done:
             self._manifests[manifest.step] = manifest
-            self._remember(commit_key(manifest.step), data, manifest.step, manifest.attempt)
+            self._remember(key, root, manifest.step, manifest.attempt)
         return done
 
     def holds(self, step: int, attempt: str) -> bool:

@@ -1,7 +1,8 @@
 """Building damaged and hostile stores for the hardening tests, from ``docs/format.md`` alone.
 
-A test saves a small store through the public API, then rewrites a commit record (recomputing
-sizes and checksums where a chunk's bytes change, so only the hostile part is wrong) or replaces
+A test saves a small store through the public API, then rewrites a commit record, its root and
+part tables (recomputing sizes and checksums where a chunk's or a table's bytes change, so only
+the hostile part is wrong) or replaces
 files and folders by links, FIFOs and the like. Commands run in a child process with a time
 limit, so a hang fails the test instead of hanging the run (an address-space limit would be the
 next guard against runaway allocations, but torch's threads abort at exit under one).
@@ -17,6 +18,13 @@ from pathlib import Path
 
 import xxhash
 
+from deltackpt.format import encodings
+from deltackpt.format.manifest import Manifest, PartRecord, TensorRecord
+from deltackpt.format.part_tables import encode_table
+from deltackpt.format.record_checks import parse_manifest
+from deltackpt.storage import open_storage
+from deltackpt.store import Store
+
 RUN_SECONDS = 60  # a command that takes longer than this hangs
 
 
@@ -25,15 +33,61 @@ def record_path(root: Path, step: int) -> Path:
 
 
 def read_record(root: Path, step: int) -> dict:
-    return json.loads(record_path(root, step).read_bytes())
+    """A step's record as one document: the root with every tensor's parts inline, read from its
+    part tables (the shape ``show --json`` prints, and :func:`write_record` writes back)."""
+    root_doc = json.loads(record_path(root, step).read_bytes())
+    return Store(open_storage(str(root))).manifest(step).to_doc() | {"tables": root_doc["tables"]}
 
 
 def write_record(root: Path, step: int, doc: dict | str) -> None:
-    """Replaces a step's record (records are immutable for the library, not for an attacker)."""
-    text = doc if isinstance(doc, str) else json.dumps(doc)
+    """Replaces a step's record (records are immutable for the library, not for an attacker): a
+    string as the root's text, a document (see :func:`read_record`) as a root and part tables
+    that hold exactly what it says, checked by nothing."""
+    if isinstance(doc, str):
+        text = doc
+    else:
+        data, tables = encode_doc(doc)
+        for rank, table in tables.items():
+            path = root / "steps" / doc["attempt"] / f"parts.{rank}"
+            path.unlink(missing_ok=True)
+            path.write_bytes(table)
+        text = data.decode()
     path = record_path(root, step)
     path.unlink()
     path.write_text(text)
+
+
+def encode_doc(doc: dict) -> tuple[bytes, dict[int, bytes]]:
+    """A root record and part tables holding what the document (see :func:`read_record`) says,
+    whatever it says: nothing is checked."""
+    doc = json.loads(json.dumps(doc))
+    index = {key: i for i, key in enumerate(doc["tensors"])}
+    by_rank: dict[int, list] = {}
+    for key, t in doc["tensors"].items():
+        rec = TensorRecord(t["dtype"], tuple(t["shape"]), encodings.get(t["encoding"]), ())
+        ranks = set()
+        for p in t.pop("parts"):
+            part = PartRecord(tuple(p["offset"]), tuple(p["shape"]), p["path"], tuple(p["chunk_shape"]),
+                              p["changed"], {k: tuple(v) for k, v in p["chunks"].items()}, p["pack"],
+                              p.get("rank", 0))
+            by_rank.setdefault(part.rank, []).append((index[key], rec, part))
+            ranks.add(part.rank)
+            t["parts"] = t.get("parts", 0) + 1
+        t.setdefault("parts", 0)
+        t.setdefault("ranks", [[r, r] for r in sorted(ranks)])
+    tables = {rank: encode_table(entries) for rank, entries in sorted(by_rank.items())}
+    doc["tables"] = [[rank, len(data), xxhash.xxh3_64_hexdigest(data)] for rank, data in tables.items()]
+    return json.dumps(doc).encode(), tables
+
+
+def parse_doc(doc: dict, where: str = "r") -> Manifest:
+    """Parses the record a document (see :func:`read_record`) stands for, every tensor's parts
+    read and checked."""
+    data, tables = encode_doc(doc)
+    m = parse_manifest(data, where, lambda key, size, digest: tables[int(key.rsplit(".", 1)[1])])
+    for rec in m.tensors.values():
+        tuple(rec.parts)
+    return m
 
 
 def chunk_file(root: Path, doc: dict, key: str, name: str, part: int = 0) -> Path:

@@ -1,23 +1,23 @@
-"""The commit record (manifest) of a step: the JSON document whose presence makes a step exist,
-as the types a reader and a writer share, and its serialization.
+"""The commit record (manifest) of a step, whose presence makes a step exist: the types a
+reader and a writer share, and their JSON fields.
 
-Format 2 is documented in ``docs/format.md``. Parsing and checking a record read from a store
-is :mod:`deltackpt.format.record_checks`.
+Format 4 is documented in ``docs/format.md``: a root record plus the part tables of
+:mod:`deltackpt.format.part_tables`. Storing one is :mod:`deltackpt.format.record_io`; parsing
+and checking one read from a store, :mod:`deltackpt.format.record_checks`.
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..collector import paused
 from ..sharding import Box
 from .encodings import Encoding
 from .lossy import Lossy
 
-FORMAT = 2
-LOSSY_FORMAT = 3  # format 2 plus quantized deltas: written only by a checkpointer with quantize=
+FORMAT = 4
+LOSSY_FORMAT = 5  # format 4 plus quantized deltas: written only by a checkpointer with quantize=
 FORMATS = (FORMAT, LOSSY_FORMAT)
 KINDS = ("base", "delta")
 
@@ -43,6 +43,8 @@ class PartRecord:
             a pack ``[size_in_bytes, xxh3_64_hex, offset_in_pack]``.
         pack: the pack holding the part's chunks (a delta's ``pack.<rank>``), or None when each
             chunk is a file.
+        rank: the rank whose part table lists the part (the one that wrote it, or for a base
+            made by compaction, rank 0).
     """
 
     offset: tuple[int, ...]
@@ -52,6 +54,7 @@ class PartRecord:
     changed: int
     chunks: dict[str, tuple[int, str] | tuple[int, str, int]] = field(default_factory=dict)
     pack: str | None = None
+    rank: int = 0
 
     @property
     def box(self) -> Box:
@@ -64,7 +67,8 @@ class PartRecord:
     def to_doc(self) -> dict[str, Any]:
         return {"offset": list(self.offset), "shape": list(self.shape), "path": self.path,
                 "chunk_shape": list(self.chunk_shape), "changed": self.changed,
-                "chunks": {k: list(v) for k, v in self.chunks.items()}, "pack": self.pack}
+                "chunks": {k: list(v) for k, v in self.chunks.items()}, "pack": self.pack,
+                "rank": self.rank}
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,7 @@ class TensorRecord:
     dtype: str
     shape: tuple[int, ...]
     encoding: Encoding
-    parts: tuple[PartRecord, ...]
+    parts: Sequence[PartRecord]
     lossy: Lossy | None = None
 
     @property
@@ -98,9 +102,9 @@ class TensorRecord:
     def nbytes_written(self) -> int:
         return sum(p.nbytes_written for p in self.parts)
 
-    def to_doc(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape),
-                               "encoding": self.encoding.name, "parts": [p.to_doc() for p in self.parts]}
+    def root_doc(self) -> dict[str, Any]:
+        """Its fields in the root record (without its parts)."""
+        doc: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "encoding": self.encoding.name}
         if self.lossy is not None:
             doc["lossy"] = self.lossy.to_doc()
         return doc
@@ -162,8 +166,9 @@ class Manifest:
         """The size of every file of a pack (its zarr chunk size)."""
         return self.packs[pack]["c.0"][0]
 
-    @paused()
-    def to_json(self) -> bytes:
+    def root_doc(self) -> dict[str, Any]:
+        """The root record's fields but the part tables' names (see
+        :func:`deltackpt.format.record_io.encode_record`)."""
         doc = {name: getattr(self, name) for name in (
             "step", "kind", "attempt", "parent", "parent_attempt", "base", "chain_length",
             "world_size", "created", "policy", "tree", "bytes_written", "state_bytes", "compacts",
@@ -171,6 +176,14 @@ class Manifest:
         if self.format == LOSSY_FORMAT:
             doc["lossy"] = self.lossy
             doc["quantize"] = self.quantize
-        doc["tensors"] = {k: t.to_doc() for k, t in self.tensors.items()}
+        doc["tensors"] = {k: t.root_doc() for k, t in self.tensors.items()}
         doc["packs"] = {k: {n: list(e) for n, e in files.items()} for k, files in self.packs.items()}
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        return doc
+
+    def to_doc(self) -> dict[str, Any]:
+        """The whole record as one JSON document, every part inline (what ``show --json``
+        prints; stores hold a root and part tables instead)."""
+        doc = self.root_doc()
+        for key, t in self.tensors.items():
+            doc["tensors"][key]["parts"] = [p.to_doc() for p in t.parts]
+        return doc

@@ -14,25 +14,35 @@ import re
 from typing import Any
 
 from ..collector import paused
-from ..errors import ManifestError, StateError
+from ..errors import ManifestError
 from ..quantization import QuantizationError, Rowwise
-from ..sharding import check_tiling
 from . import dtypes, encodings
 from .encodings import Encoding
-from .grid import check_chunks, check_pack
+from .grid import check_pack
 from .limits import MAX_DEPTH, MAX_STEP, key_problem, unique_keys
 from .lossy import Lossy
-from .manifest import FORMATS, KINDS, LOSSY_FORMAT, ChunkMap, Manifest, PartRecord, TensorRecord
+from .manifest import FORMATS, KINDS, LOSSY_FORMAT, ChunkMap, Manifest, TensorRecord
+from .record_io import TableReader, lazy_tensors
+
+MAX_RANKS = 1 << 24  # ranks one tensor's parts may come from
+# A tensor's root fields: dtype, shape, encoding, loss, parts, the ranks whose tables hold them.
+TensorHead = tuple[str, tuple[int, ...], Encoding, Lossy | None, int, list[int]]
 
 
 @paused()
-def parse_manifest(data: bytes, where: str) -> Manifest:
-    """Parses and validates a record; ``where`` names it in errors."""
+def parse_manifest(data: bytes, where: str, read: TableReader) -> Manifest:
+    """Parses and validates a root record; ``where`` names it in errors. Its tensors' parts are
+    read by ``read`` from the part tables, and checked, when a reader first asks for them.
+
+    Raises:
+        ManifestError: the root breaks the format; a record of format 2 or 3 (written before
+            part tables) is refused, naming its format.
+    """
     try:
         doc = json.loads(data, parse_constant=_reject_constant, object_pairs_hook=unique_keys)
     except (ValueError, RecursionError) as e:
         raise ManifestError(f"{where}: not valid JSON ({e})") from None
-    return _parse(doc, where)
+    return _parse(doc, where, read)
 
 
 def _reject_constant(name: str) -> Any:
@@ -67,33 +77,39 @@ def _count(doc: dict[str, Any], name: str, where: str) -> int:
     return value
 
 
-def _parse(doc: Any, where: str) -> Manifest:
+def _parse(doc: Any, where: str, read: TableReader) -> Manifest:
     if not isinstance(doc, dict):
         raise ManifestError(f"{where}: a commit record must be a JSON object")
     fmt = _field(doc, "format", int, where)
     if fmt not in FORMATS:
-        raise ManifestError(f"{where}: format {fmt} is not supported (this version reads {FORMATS})")
+        raise ManifestError(f"{where}: format {fmt} is not supported (this version reads {FORMATS}"
+                            f"{'; earlier formats kept every part in the record' if fmt in (2, 3) else ''})")
     kind = _field(doc, "kind", str, where)
     if kind not in KINDS:
         raise ManifestError(f"{where}: field 'kind' must be one of {KINDS}, got {kind!r}")
     packs = {}
     for name, files in _field(doc, "packs", dict, where).items():
-        if not isinstance(files, dict) or not _PACK.match(name) or "c.0" not in files:
+        if not isinstance(files, dict) or not _PACK.fullmatch(name) or "c.0" not in files:
             raise ManifestError(f"{where}: pack {name!r:.40} has a bad entry {files!r:.80}")
         packs[name] = _chunk_map(files, f"{where}: pack {name!r}", packed=False)
         check_pack(packs[name], f"{where}: pack {name!r}")
-    tensors = {}
+    attempt = _field(doc, "attempt", str, where)
+    if "/" in attempt or attempt in ("", ".", ".."):
+        raise ManifestError(f"{where}: field 'attempt' has a bad value {attempt!r}")
+    heads = {}
     for key, rec in _field(doc, "tensors", dict, where).items():
         if (why := key_problem(key)) is not None:
             raise ManifestError(f"{where}: tensor key {key!r:.200} is no folder name: {why}")
-        tensors[key] = _parse_tensor(rec, packs, fmt, f"{where}: tensor {key!r}")
+        heads[key] = _parse_tensor(rec, fmt, f"{where}: tensor {key!r}")
+    tensors = lazy_tensors(heads, attempt, _tables(doc, where),
+                           {int(name[5:]): _room(files) for name, files in packs.items()}, read, where)
     created = _field(doc, "created", (int, float), where)
     if not math.isfinite(created):
         raise ManifestError(f"{where}: field 'created' has a bad value {created!r}")
     m = Manifest(
         step=_count(doc, "step", where),
         kind=kind,
-        attempt=_field(doc, "attempt", str, where),
+        attempt=attempt,
         parent=_optional_count(doc, "parent", where),
         parent_attempt=_field(doc, "parent_attempt", (str, type(None)), where),
         base=_count(doc, "base", where),
@@ -117,8 +133,6 @@ def _parse(doc: Any, where: str) -> Manifest:
     if m.compacts is not None and m.kind != "base":
         raise ManifestError(f"{where}: only a base can stand in for a step ('compacts')")
     check_tree(m.tree, m.tensors, f"{where}: field 'tree'", 0)
-    if "/" in m.attempt or m.attempt in ("", ".", ".."):
-        raise ManifestError(f"{where}: field 'attempt' has a bad value {m.attempt!r}")
     if (m.kind == "base") != (m.parent is None) or (m.kind == "base") != (m.base == m.step):
         raise ManifestError(f"{where}: kind {m.kind!r} disagrees with parent {m.parent} / base {m.base}")
     if m.parent is not None and not m.base <= m.parent < m.step:
@@ -191,7 +205,8 @@ def _parse_lossy(doc: Any, encoding: Encoding, where: str) -> Lossy:
     return Lossy(scheme, bounds[0], bounds[1])
 
 
-def _parse_tensor(rec: Any, packs: dict[str, ChunkMap], fmt: int, where: str) -> TensorRecord:
+def _parse_tensor(rec: Any, fmt: int, where: str) -> TensorHead:
+    """A tensor's root fields: dtype, shape, encoding, loss, how many parts, which ranks."""
     if not isinstance(rec, dict):
         raise ManifestError(f"{where}: must be a JSON object")
     shape = _dims(rec, "shape", where)
@@ -201,27 +216,45 @@ def _parse_tensor(rec: Any, packs: dict[str, ChunkMap], fmt: int, where: str) ->
     dtype = _field(rec, "dtype", str, where)
     if dtype not in dtypes.NAMES:
         raise ManifestError(f"{where}: unknown dtype {dtype!r:.40}")
-    parts = tuple(
-        _parse_part(p, shape, encoding, packs, f"{where} part {i}")
-        for i, p in enumerate(_field(rec, "parts", list, where))
-    )
-    if len({p.path for p in parts}) != len(parts) or ("" in {p.path for p in parts} and len(parts) > 1):
-        raise ManifestError(f"{where}: part paths must be distinct, and '' only for a single part")
-    if encoding.whole:
-        try:
-            check_tiling(where, tuple(shape), [p.box for p in parts])
-        except StateError as e:
-            raise ManifestError(str(e)) from None
     lossy = None
     if fmt == LOSSY_FORMAT and rec.get("lossy") is not None:
         lossy = _parse_lossy(rec["lossy"], encoding, where)
     why = encoding.record_problem(dtype, lossy)
     if why is not None:
         raise ManifestError(f"{where}: {why}")
-    tensor = TensorRecord(dtype=dtype, shape=tuple(shape), encoding=encoding, parts=parts, lossy=lossy)
-    for i, part in enumerate(parts):
-        check_chunks(tensor, part, f"{where} part {i}")
-    return tensor
+    ranks: list[int] = []
+    for run in _field(rec, "ranks", list, where):
+        if (not isinstance(run, list) or len(run) != 2 or not all(_is_count(r) for r in run)
+                or run[0] > run[1] or (ranks and run[0] <= ranks[-1]) or run[1] - run[0] >= MAX_RANKS):
+            raise ManifestError(f"{where}: field 'ranks' has a bad run {run!r:.80}")
+        ranks += range(run[0], run[1] + 1)
+        if len(ranks) > MAX_RANKS:
+            raise ManifestError(f"{where}: field 'ranks' lists more than {MAX_RANKS} ranks")
+    count = _count(rec, "parts", where)
+    if (count == 0) != (not ranks) or count < len(ranks):
+        raise ManifestError(f"{where}: {count} parts cannot come from {len(ranks)} ranks")
+    return dtype, tuple(shape), encoding, lossy, count, ranks
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62
+
+
+def _tables(doc: dict[str, Any], where: str) -> dict[int, tuple[int, str]]:
+    """The root's ``tables``: ``[rank, size, xxh3_64_hex]`` each, ranks ascending."""
+    out: dict[int, tuple[int, str]] = {}
+    for entry in _field(doc, "tables", list, where):
+        if (not isinstance(entry, list) or len(entry) != 3 or not _is_count(entry[0])
+                or not _is_count(entry[1]) or not isinstance(entry[2], str) or len(entry[2]) != 16
+                or (out and entry[0] <= max(out))):
+            raise ManifestError(f"{where}: field 'tables' has a bad entry {entry!r:.80}")
+        out[entry[0]] = (entry[1], entry[2])
+    return out
+
+
+def _room(files: ChunkMap) -> int:
+    """The bytes of a pack (its files ``c.0``, ``c.1``, ... of one size)."""
+    return files["c.0"][0] * sum(name.startswith("c.") for name in files)
 
 
 def _dims(doc: dict[str, Any], name: str, where: str) -> tuple[int, ...]:
@@ -231,38 +264,7 @@ def _dims(doc: dict[str, Any], name: str, where: str) -> tuple[int, ...]:
     return tuple(dims)
 
 
-def _parse_part(rec: Any, shape: tuple[int, ...], encoding: Encoding,
-                packs: dict[str, ChunkMap], where: str) -> PartRecord:
-    if not isinstance(rec, dict):
-        raise ManifestError(f"{where}: must be a JSON object")
-    offset, pshape = _dims(rec, "offset", where), _dims(rec, "shape", where)
-    chunk_shape = _dims(rec, "chunk_shape", where)
-    path = _field(rec, "path", str, where)
-    if path and (path[0] != "p" or not path[1:].isdigit()):
-        raise ManifestError(f"{where}: field 'path' has a bad value {path!r:.40}")
-    if not len(offset) == len(pshape) == len(shape) or any(
-        o + n > s for o, n, s in zip(offset, pshape, shape)
-    ):
-        raise ManifestError(f"{where}: box at {list(offset)} of {list(pshape)} is outside {list(shape)}")
-    changed = _count(rec, "changed", where)
-    if not encoding.fits(chunk_shape, pshape, changed) or any(d < 1 for d in chunk_shape):
-        raise ManifestError(f"{where}: chunk_shape {list(chunk_shape)} does not fit shape "
-                            f"{list(pshape)} and encoding {encoding!r}")
-    pack = _field(rec, "pack", (str, type(None)), where)
-    if pack is not None and pack not in packs:
-        raise ManifestError(f"{where}: pack {pack!r:.40} is not in 'packs'")
-    chunks = _chunk_map(_field(rec, "chunks", dict, where), where, packed=pack is not None)
-    if pack is not None:
-        files = packs[pack]
-        room = files["c.0"][0] * sum(name.startswith("c.") for name in files)
-        for key, (size, _, at) in chunks.items():
-            if at + size > room:
-                raise ManifestError(f"{where}: chunk {key!r} at {at} of {size} B lies outside "
-                                    f"{pack} ({room} B)")
-    return PartRecord(offset, pshape, path, chunk_shape, changed, chunks, pack)
-
-
-_PACK = re.compile(r"^pack\.\d+$")
+_PACK = re.compile(r"pack\.(0|[1-9][0-9]*)", re.ASCII)
 
 
 def _chunk_map(doc: dict[str, Any], where: str, *, packed: bool) -> dict[str, Any]:

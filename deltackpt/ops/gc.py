@@ -189,7 +189,7 @@ def _chain_of(store: Store, head: tuple[int, str], deleted: dict[str, bytes]) ->
     def record(key: str) -> Manifest | None:
         try:
             data = deleted[key] if key in deleted else store.storage.read(key)
-            return parse_manifest(data, key)
+            return parse_manifest(data, key, store.read_table)
         except (FileNotFoundError, ManifestError):
             return None
 

@@ -14,7 +14,7 @@ from functools import partial
 
 import torch
 
-from ..errors import BrokenChainError, DeltackptError, IntegrityError, MissingChunkError
+from ..errors import BrokenChainError, DeltackptError, IntegrityError, ManifestError, MissingChunkError
 from ..format.grid import chunk_bytes
 from ..format.layout import STEPS, chunk_path
 from ..format.limits import coded_problem
@@ -114,8 +114,13 @@ def _check_bounds(chain: list[Manifest]) -> list[Problem]:
 def _check_step(store: Store, m: Manifest, pool: StagingPool, executor: Executor,
                 report: VerifyReport, progress: Callable[[int], None]) -> list[Problem]:
     """Every file of the step's packs, then every chunk of its parts (a chunk in a pack is read
-    from the pack again and checked on its own)."""
+    from the pack again and checked on its own), once its part tables read and check."""
     storage = store.storage
+    try:
+        for rec in m.tensors.values():
+            tuple(rec.parts)
+    except ManifestError as e:
+        return [Problem(m.step, "record", "", str(e))]
 
     def check(path: str, size: Callable[[], int], read: Callable[[torch.Tensor], None],
               pieces: bool) -> Problem | None:

@@ -19,6 +19,7 @@ from ..format.manifest import (
     PartRecord,
     TensorRecord,
 )
+from ..format.record_io import encode_record
 from ..ops.gc import holder_chain
 from ..ops.lease import Holding
 from ..ops.lease import read as read_lease
@@ -57,7 +58,7 @@ def build_manifest(save: SavePlan, plan: GlobalPlan, changed: Mapping[tuple[str,
                        changed[(t.key, p.path)], chunks,
                        # A part without chunks (nothing changed, or no elements) is in no pack.
                        pack_name(p.writer) if chunks and (kind == Kind.DELTA or in_pack(
-                           p.box.shape, itemsize(t.dtype), cs)) else None)
+                           p.box.shape, itemsize(t.dtype), cs)) else None, p.writer)
             for p in t.parts
             for cs in [enc.chunk_shape(p.box.shape, itemsize(t.dtype), changed[(t.key, p.path)], sizes, rule)]
             for chunks in [files.get((t.key, p.path), {})]
@@ -144,7 +145,7 @@ def withdraw(store: Store, manifest: Manifest) -> None:
     exists; this reads the lease before and after removing the record, and puts the record back
     if the new holder's chain took it in meanwhile."""
     key = commit_key(manifest.step)
-    mine = {key: manifest.to_json()}  # read from here once removed
+    mine = {key: encode_record(manifest)[0]}  # read from here once removed
 
     def built_on() -> bool:
         holder = read_lease(store.storage)[1]

@@ -91,7 +91,7 @@ def test_bad_input_is_one_line(store, tmp_path, capsys, argv, message):
 
 def test_corrupt_record_is_listed_as_corrupt(store, capsys):
     with open(os.path.join(store, *commit_key(20).split("/")), "w") as f:
-        f.write('{"format": 2}')
+        f.write('{"format": 4}')
     code, out, _ = run(capsys, "ls", store)
     assert code == 0 and "corrupt" in out and "'kind' is missing" in out
 

@@ -1,35 +1,64 @@
-"""Commit records: a damaged record raises ManifestError naming the record and the field,
-never another exception, and a damaged record of one step leaves the others readable."""
+"""Commit records: a damaged root record or part table raises ManifestError naming the record
+or the table and the field, never another exception, and a damaged record of one step leaves
+the others readable."""
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 
+import numpy as np
 import pytest
 import torch
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deltackpt import Checkpointer, DeltackptError, ManifestError, statetree
 from deltackpt.format.layout import commit_key
+from deltackpt.format.part_tables import COLUMNS, HEADER
 from deltackpt.format.record_checks import parse_manifest
+from deltackpt.format.record_io import encode_record
+from hostile import parse_doc
 
 
 @pytest.fixture(scope="module")
-def record(tmp_path_factory):
+def stored(tmp_path_factory):
+    """Step 1's root record (as a document) and part tables, by rank."""
     path = tmp_path_factory.mktemp("store")
     with Checkpointer(path) as ckpt:
         w = torch.zeros(40, 3)
         ckpt.save(0, {"w": w, "v": torch.zeros(5), "step": 0})
         w[3] = 1
         assert ckpt.save(1, {"w": w, "v": torch.ones(5), "step": 1}).kind == "delta"
-        return json.loads(ckpt.store.manifest(1).to_json())
+        root, tables = encode_record(ckpt.store.manifest(1))
+        return json.loads(root), tables
 
 
-def test_round_trip(record):
-    m = parse_manifest(json.dumps(record).encode(), "r")
-    assert json.loads(m.to_json()) == record
+@pytest.fixture
+def record(stored):
+    return stored[0]
+
+
+def parse(doc: dict, tables: dict[int, bytes], where: str = "r"):
+    """Parses a root with these tables, every tensor's parts read."""
+    def read(key, size, digest):
+        data = tables[int(key.rsplit(".", 1)[1])]
+        if len(data) != size or xxhash.xxh3_64_hexdigest(data) != digest:
+            raise ManifestError(f"{key}: does not match its checksum")
+        return data
+    m = parse_manifest(json.dumps(doc).encode(), where, read)
+    for rec in m.tensors.values():
+        tuple(rec.parts)
+    return m
+
+
+def test_round_trip(stored):
+    m = parse(*stored)
+    root, tables = encode_record(m)
+    assert (json.loads(root), tables) == stored
+    assert parse_doc(m.to_doc()).to_doc() == m.to_doc()
 
 
 json_values = st.recursive(
@@ -52,7 +81,8 @@ def paths(doc, prefix=()):
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_mutated_records_raise_manifest_error(record, data):
+def test_mutated_records_raise_manifest_error(stored, data):
+    record, tables = stored
     doc = json.loads(json.dumps(record))
     where = data.draw(st.sampled_from(list(paths(doc))[1:]))
     parent = doc
@@ -63,28 +93,124 @@ def test_mutated_records_raise_manifest_error(record, data):
     elif isinstance(parent, dict):
         del parent[where[-1]]
     try:
-        m = parse_manifest(json.dumps(doc).encode(), "r")
+        m = parse(doc, tables)
     except ManifestError as e:
-        assert str(e).startswith("r: ")
+        assert str(e).startswith(("r: ", "steps/")), e
     else:
         statetree.build(m.tree, {k: k for k in m.tensors})  # an accepted record is usable
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cut=st.integers(0, 10_000), junk=st.binary(max_size=40))
-def test_truncated_or_garbage_bytes(record, cut, junk):
+def test_truncated_or_garbage_bytes(stored, cut, junk):
+    record, tables = stored
     raw = json.dumps(record).encode()
     for data in (raw[: cut % len(raw)], junk, raw[: cut % len(raw)] + junk):
         try:
-            parse_manifest(data, "r")
+            parse_manifest(data, "r", lambda *a: b"")
         except ManifestError:
             pass
+    # A table cut short or grown, its checksum in the root made to agree: refused by its length.
+    table = tables[0]
+    for data in (table[: cut % len(table)], junk, table[: cut % len(table)] + junk, table + junk):
+        doc = json.loads(json.dumps(record))
+        doc["tables"][0][1:] = [len(data), xxhash.xxh3_64_hexdigest(data)]
+        if data != table:
+            with pytest.raises(ManifestError, match=r"steps/\S+/parts\.0: "):
+                parse(doc, {0: data})
+
+
+def column(table: bytes, name: str) -> tuple[int, int]:
+    """Where column ``name`` lies in a table: its first byte and its dtype's size."""
+    parts, dims, chunks = struct.unpack_from("<3Q", table, 8)
+    counts = {"parts": parts, "dims": dims, "chunks": chunks}
+    at = HEADER
+    for n, dtype, count in COLUMNS:
+        if n == name:
+            return at, np.dtype(dtype).itemsize
+        at += np.dtype(dtype).itemsize * counts[count]
+    raise KeyError(name)
+
+
+def with_value(stored, name: str, value: int, row: int = 0) -> tuple[dict, dict[int, bytes]]:
+    """The record with row ``row`` of column ``name`` of rank 0's table set to ``value``, the
+    table's size and checksum in the root made to agree (only the column is hostile)."""
+    record, tables = stored
+    at, size = column(tables[0], name)
+    dtype = dict((n, d) for n, d, _ in COLUMNS)[name]
+    data = bytearray(tables[0])
+    data[at + row * size: at + (row + 1) * size] = np.array([value], dtype=dtype).tobytes()
+    doc = json.loads(json.dumps(record))
+    doc["tables"][0][1:] = [len(data), xxhash.xxh3_64_hexdigest(bytes(data))]
+    return doc, {0: bytes(data)}
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("tensor", 7, "names tensor 7 of 2"),
+    ("path", -2, "path index is out of range"),
+    ("changed", -1, "changed count is out of range"),
+    ("nchunks", 1 << 40, "do not add up"),
+    ("nchunks", -1, "do not add up"),
+    ("dims", -1, "a dims value is out of range"),
+    ("dims", 1 << 62, "a dims value is out of range"),
+    ("dims", 1 << 40, "is outside"),  # the first part's offset, far outside its tensor
+    ("size", 1 << 62, "a size value is out of range"),
+    ("at", 1 << 40, "outside pack.0"),
+    ("at", -1, "disagrees with its part being packed"),
+    ("array", 9, "names array 9"),
+    ("array", -2, "array index is out of range"),
+    ("index", 1 << 40, "is not one of the part's grid"),
+    ("packed", 2, "is packed"),
+    ("cdims", 9, "boxes need"),
+])
+def test_a_hostile_table_is_refused_naming_it(stored, name, value, message):
+    doc, tables = with_value(stored, name, value)
+    with pytest.raises(ManifestError, match=rf"^steps/\S+/parts\.0: .*{message}|^r: tensor '\w' part 0 \(table parts\.0\): .*{message}"):
+        parse(doc, tables)
+
+
+def test_a_huge_shape_in_a_table_is_refused_before_any_allocation(stored):
+    doc, tables = with_value(stored, "dims", 1 << 61, row=3)  # the first part's shape[1]: [40, 3]
+    with pytest.raises(ManifestError, match="is outside|does not fit"):
+        parse(doc, tables)
+
+
+@pytest.mark.parametrize("patch, message", [
+    (lambda d: d["tables"][0].__setitem__(2, "0" * 16), "does not match its checksum"),
+    (lambda d: d["tables"].clear(), "is not in 'tables'"),
+    (lambda d: d["tensors"]["w"].update(parts=2), "field 'parts' says 2"),
+    (lambda d: d["tensors"]["w"].update(ranks=[[0, 0], [0, 1]]), "bad run"),
+    (lambda d: d["tensors"]["w"].update(ranks=[]), "0 ranks"),
+    (lambda d: d["tensors"]["w"].update(ranks=[[1, 1]]), "does not list rank 0"),
+    (lambda d: d["tables"].append([0, 1, "0" * 16]), "bad entry"),
+])
+def test_a_root_and_tables_that_disagree_are_refused(stored, patch, message):
+    record, tables = stored
+    doc = json.loads(json.dumps(record))
+    patch(doc)
+    with pytest.raises(ManifestError, match=message):
+        parse(doc, tables)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_column_value_parses_or_raises_manifest_error(stored, data):
+    name = data.draw(st.sampled_from([n for n, _, _ in COLUMNS]))
+    value = data.draw(st.integers(-(2**15), 2**15) | st.integers(0, 2**62))
+    dtype = np.dtype(dict((n, d) for n, d, _ in COLUMNS)[name])
+    info = np.iinfo(dtype)
+    doc, bad = with_value(stored, name, min(max(value, info.min), info.max))
+    try:
+        parse(doc, bad)
+    except ManifestError:
+        pass
 
 
 @pytest.mark.parametrize(
     "patch, message",
     [
         ({"format": 1}, "format 1 is not supported"),
+        ({"format": 2}, "format 2 is not supported .*every part in the record"),
         ({"step": -1}, "'step' is out of range"),
         ({"kind": "full"}, "'kind' must be one of"),
         ({"parent": None}, "disagrees with parent"),
@@ -93,9 +219,10 @@ def test_truncated_or_garbage_bytes(record, cut, junk):
         ({"tensors": {"w": {"dtype": "float32"}}}, "tensor 'w': field 'shape' is missing"),
     ],
 )
-def test_named_fields(record, patch, message):
+def test_named_fields(stored, patch, message):
+    record, tables = stored
     with pytest.raises(ManifestError, match=message):
-        parse_manifest(json.dumps({**record, **patch}).encode(), "commits/x.json")
+        parse({**record, **patch}, tables, "commits/x.json")
 
 
 def test_a_damaged_record_leaves_other_steps_readable(tmp_path):

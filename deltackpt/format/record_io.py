@@ -1,0 +1,176 @@
+"""A commit record as stored: a small JSON root plus one part table per writing rank.
+
+:func:`encode_record` gives the root's bytes and each rank's table; a store writes the tables
+(``steps/<attempt>/parts.<rank>``) durably before it creates the root, so the record stays one
+create-only write. A parsed record's tensors hold :class:`LazyParts`: a tensor's parts are read
+(only the tables of the ranks that wrote it, each once), checked and built when a reader first
+asks for them, so ``ls`` reads roots only and a partial load reads the tables it needs.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import overload
+
+import xxhash
+
+from ..collector import paused
+from ..errors import ManifestError
+from .layout import STEPS
+from .lossy import Lossy
+from .encodings import Encoding
+from .manifest import Manifest, PartRecord, TensorRecord
+from .part_tables import Table, check_parts, decode_table, encode_table
+
+# Reads a rank's table (its key, size and checksum as the root records them), checked.
+TableReader = Callable[[str, int, str], bytes]
+
+
+def table_key(attempt: str, rank: int) -> str:
+    """Where the part table of ``rank`` lies in a step's attempt folder."""
+    return f"{STEPS}/{attempt}/parts.{rank}"
+
+
+def checksum(data: bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+@paused()
+def encode_record(m: Manifest) -> tuple[bytes, dict[int, bytes]]:
+    """The root record's bytes and each writing rank's part table."""
+    index = {key: i for i, key in enumerate(m.tensors)}
+    by_rank: dict[int, list[tuple[int, TensorRecord, PartRecord]]] = {}
+    ranks: dict[str, list[int]] = {}
+    for key, rec in m.tensors.items():
+        for part in rec.parts:
+            by_rank.setdefault(part.rank, []).append((index[key], rec, part))
+        ranks[key] = sorted({p.rank for p in rec.parts})
+    tables = {rank: encode_table(entries) for rank, entries in sorted(by_rank.items())}
+    doc = m.root_doc()
+    for key, rec in m.tensors.items():
+        doc["tensors"][key] |= {"parts": len(rec.parts), "ranks": _ranges(ranks[key])}
+    doc["tables"] = [[rank, len(data), checksum(data)] for rank, data in tables.items()]
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode(), tables
+
+
+def _ranges(ranks: list[int]) -> list[list[int]]:
+    """Sorted ranks as ``[first, last]`` runs: a tensor every rank wrote takes one."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return runs
+
+
+class Tables:
+    """The part tables of one parsed record, read and decoded on first use, each once.
+
+    Args:
+        attempt: the record's attempt folder.
+        listed: size and checksum of each rank's table, as the root lists them.
+        packs: bytes of each rank's pack, for the ranks that wrote one.
+        ndims: each tensor's number of dimensions, by its index in the root.
+        owners: the ranks each tensor lists, by index.
+        read: reads a table, checked against its listed size and checksum.
+        where: the record, for errors.
+    """
+
+    def __init__(self, attempt: str, listed: dict[int, tuple[int, str]], packs: dict[int, int],
+                 ndims: list[int], owners: list[frozenset[int]], read: TableReader, where: str):
+        self.attempt, self.listed, self.packs = attempt, listed, packs
+        self.ndims, self.owners, self._read, self.where = ndims, owners, read, where
+        self._tables: dict[int, Table] = {}
+        self._lock = threading.Lock()
+
+    def table(self, rank: int) -> Table:
+        with self._lock:
+            if rank not in self._tables:
+                key = table_key(self.attempt, rank)
+                if rank not in self.listed:
+                    raise ManifestError(f"{self.where}: a tensor lists rank {rank}, whose table {key} "
+                                        f"is not in 'tables'")
+                size, digest = self.listed[rank]
+                table = decode_table(self._read(key, size, digest), key, rank, self.ndims,
+                                     self.packs.get(rank))
+                stray = [t for t in table.by_tensor if rank not in self.owners[t]]
+                if stray:
+                    raise ManifestError(f"{key}: holds parts of tensor {stray[0]}, which does not "
+                                        f"list rank {rank}")
+                self._tables[rank] = table
+            return self._tables[rank]
+
+
+class LazyParts(Sequence[PartRecord]):
+    """A parsed tensor's parts, sorted by path: read from its ranks' tables, checked whole
+    (see :func:`deltackpt.format.part_tables.check_parts`) and built on first use."""
+
+    def __init__(self, tables: Tables, index: int, count: int, head: TensorRecord, where: str):
+        self._tables, self._index, self._count, self._head, self._where = tables, index, count, head, where
+        self._parts: tuple[PartRecord, ...] | None = None
+        self._lock = threading.Lock()
+
+    def _load(self) -> tuple[PartRecord, ...]:
+        with self._lock:
+            if self._parts is None:
+                parts: list[PartRecord] = []
+                for rank in sorted(self._tables.owners[self._index]):
+                    got = self._tables.table(rank).parts(self._index, self._head)
+                    if not got:
+                        raise ManifestError(f"{self._where}: lists rank {rank}, whose table holds "
+                                            f"none of its parts")
+                    parts += got
+                if len(parts) != self._count:
+                    raise ManifestError(f"{self._where}: field 'parts' says {self._count}, its "
+                                        f"tables hold {len(parts)}")
+                parts.sort(key=lambda p: int(p.path[1:]) if p.path else -1)
+                rec = TensorRecord(self._head.dtype, self._head.shape, self._head.encoding,
+                                   tuple(parts), self._head.lossy)
+                check_parts(rec, self._where)
+                self._parts = tuple(parts)
+            return self._parts
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, i: int) -> PartRecord: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[PartRecord]: ...
+
+    def __getitem__(self, i: int | slice) -> PartRecord | Sequence[PartRecord]:
+        return self._load()[i]
+
+    def __iter__(self) -> Iterator[PartRecord]:
+        return iter(self._load())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __reduce__(self) -> tuple[type, tuple[tuple[PartRecord, ...]]]:
+        """Pickled (sent to other ranks) as the parts themselves, read here first."""
+        return tuple, (self._load(),)
+
+
+def lazy_tensors(heads: dict[str, tuple[str, tuple[int, ...], Encoding, Lossy | None, int, list[int]]],
+                 attempt: str, listed: dict[int, tuple[int, str]], packs: dict[int, int],
+                 read: TableReader, where: str) -> dict[str, TensorRecord]:
+    """A parsed record's tensors from their root fields (dtype, shape, encoding, lossy, parts
+    count, ranks), their parts read from the tables on first use."""
+    ndims = [len(h[1]) for h in heads.values()]
+    owners = [frozenset(h[5]) for h in heads.values()]
+    tables = Tables(attempt, listed, packs, ndims, owners, read, where)
+    out = {}
+    for i, (key, (dtype, shape, enc, lossy, count, _)) in enumerate(heads.items()):
+        head = TensorRecord(dtype, shape, enc, (), lossy)
+        out[key] = TensorRecord(dtype, shape, enc,
+                                LazyParts(tables, i, count, head, f"{where}: tensor {key!r}"), lossy)
+    return out
+
