@@ -15,6 +15,8 @@ rows or chunks changed. Message sizes are the pickles the collectives send (``(o
 see ``deltackpt/collectives.py``): a gather delivers every rank's message to the coordinator, a
 broadcast the coordinator's message to every rank, a scatter each rank its own.
 
+Last, ``deltackpt ls`` is timed on a store of ``--ls-steps`` root records like the later save's.
+
 Run:  python bench/bench_control_plane.py --world 1024 --tensors 1000
 Writes bench/results/control_plane_W{world}_T{tensors}.json and prints a markdown table.
 """
@@ -22,11 +24,15 @@ Writes bench/results/control_plane_W{world}_T{tensors}.json and prints a markdow
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import io
+import json
 import math
 import pickle
 import resource
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -36,10 +42,10 @@ from typing import Any
 import torch
 import xxhash
 
-from deltackpt import Shard
+from deltackpt import Shard, cli
 from deltackpt.format import dtypes
 from deltackpt.format.encodings import FULL, choose, dense_chunk_elems, in_pack
-from deltackpt.format.layout import pack_name
+from deltackpt.format.layout import commit_key, pack_name
 from deltackpt.format.limits import BLOSC_HEADER
 from deltackpt.format.manifest import ChunkMap, Manifest
 from deltackpt.format.record_checks import parse_manifest
@@ -52,6 +58,8 @@ from deltackpt.save.local import plan_local, write_items
 from deltackpt.save.planner import Assignment, GlobalPlan, GlobalPlanner, PartPlan, PlanRequest
 from deltackpt.save.scan import PartScan, summarize
 from deltackpt.save.types import Committed, Kind, SavePlan, WriteItem, WriteResult
+from deltackpt.storage.local import LocalStorage
+from deltackpt.store import Store
 from deltackpt.tracking.changes import TensorChange, is_row_sparse
 
 MiB = 1 << 20
@@ -350,6 +358,29 @@ def _reader(tables: dict[int, bytes]) -> TableReader:
     return read
 
 
+def time_ls(record: Manifest, steps: int) -> float:
+    """Seconds ``deltackpt ls --json`` takes on a local store of ``steps`` root records like
+    ``record`` (a base every 10 steps, deltas between); ls reads roots only, so no table is
+    written."""
+    root, _ = encode_record(record)
+    doc = json.loads(root)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store(LocalStorage(tmp))
+        store.create()
+        for step in range(steps):
+            base = step - step % 10
+            doc.update(step=step, attempt=f"{step}-sim", kind="base" if step == base else "delta",
+                       parent=None if step == base else step - 1, base=base, chain_length=step - base,
+                       parent_attempt=None if step == base else f"{step - 1}-sim")
+            store.storage.put_if_absent(commit_key(step), json.dumps(doc).encode())
+        t0 = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            assert cli.main(["ls", tmp, "--json"]) == 0
+        seconds = time.perf_counter() - t0
+        assert len(json.loads(out.getvalue())) == steps
+    return seconds
+
+
 def _scan(items: tuple[WriteItem, ...], changed: Changed | None, sizes: tuple[int, int]) -> list[PartScan]:
     out = []
     for it in items:
@@ -389,6 +420,8 @@ def main() -> None:
     ap.add_argument("--mix", default="0.8,0.1,0.1", help="shares row-, column-, table-wise")
     ap.add_argument("--col-group", type=int, default=8, help="ranks a column-wise tensor spans")
     ap.add_argument("--changed", type=float, default=0.01, help="share of rows/chunks a delta writes")
+    ap.add_argument("--ls-steps", type=int, default=300,
+                    help="steps of a store whose `deltackpt ls` is timed (0: none)")
     ap.add_argument("--json", metavar="PATH", default=None,
                     help="where the figures go as JSON (default bench/results/control_plane_W{W}_T{T}.json)")
     args = ap.parse_args()
@@ -407,6 +440,11 @@ def main() -> None:
         mean = p.seconds / job.world if p.where == "every rank" else p.seconds
         rows.append(figure(f"{p.name} ({'per rank mean' if p.where == 'every rank' else p.where})", mean))
         rows.append(figure(f"{p.name}: MB received per rank", p.received / 1e6, "MB"))
+    if args.ls_steps:
+        seconds = time_ls(run.records[-1], args.ls_steps)
+        print(f"deltackpt ls of {args.ls_steps} steps (a base every 10) of this job's later save's "
+              f"root record: {seconds:.3f} s")
+        rows.append(figure(f"ls of {args.ls_steps} steps", seconds))
     rows += [figure(f"root record of save {i + 1}", b / MiB, "MiB") for i, b in enumerate(run.record_bytes)]
     rows += [figure(f"part tables of save {i + 1}", b / MiB, "MiB") for i, b in enumerate(run.table_bytes)]
     out = args.json or str(Path(__file__).parent / "results" / f"control_plane_W{job.world}_T{job.tensors}.json")

@@ -33,10 +33,12 @@ def chunk_bytes(rec: TensorRecord, part: PartRecord, name: str) -> tuple[int, bo
     return array.chunk_bytes, array.coded
 
 
-def check_chunks(rec: TensorRecord, part: PartRecord, where: str) -> None:
+def check_chunks(rec: TensorRecord, part: PartRecord, where: str,
+                 arrays: tuple[Array, ...] | None = None) -> None:
     """The part's chunks are the ones its grid needs, each of a size that fits its bytes: every
-    chunk of each of its arrays, or for a sparse encoding any chunks of its grid."""
-    arrays = _arrays(rec, part)
+    chunk of each of its arrays, or for a sparse encoding any chunks of its grid. ``arrays``:
+    the part's arrays, if the caller has them."""
+    arrays = _arrays(rec, part) if arrays is None else arrays
     if any(a.chunk_shape[1:] != a.shape[1:] for a in arrays):
         raise ManifestError(f"{where}: chunk_shape {list(part.chunk_shape)} must span the part's "
                             f"other dimensions {list(part.shape[1:])}")
@@ -55,12 +57,14 @@ def check_chunks(rec: TensorRecord, part: PartRecord, where: str) -> None:
         bad = sorted(names - want) or sorted(want - names) or ["(more chunks than listed)"]
         raise ManifestError(f"{where}: chunk {bad[0]!r:.60} is not one of the part's grid "
                             f"({n} chunk(s) of {list(part.chunk_shape)} for {list(part.shape)})")
+    by_name = {a.name: a for a in arrays}
     for name, entry in part.chunks.items():
         if name == "zarr.json":
             fits = entry[0] <= MAX_METADATA_BYTES
         else:
-            decoded, coded = chunk_bytes(rec, part, name)
-            fits = coded_size_fits(entry[0], decoded) if coded else entry[0] == decoded
+            array = by_name[name.rsplit("/", 1)[0] if "/" in name else ""]
+            fits = (coded_size_fits(entry[0], array.chunk_bytes) if array.coded
+                    else entry[0] == array.chunk_bytes)
         if not fits:
             raise ManifestError(f"{where}: chunk {name!r} of {entry[0]} B cannot hold its place in "
                                 f"the grid ({list(part.chunk_shape)} of {rec.dtype})")

@@ -1,11 +1,12 @@
 """The store's layout: where each record, step folder and chunk lives.
 
 ```
-ROOT/zarr.json                        zarr v3 group; attributes {"deltackpt": {"format": 2}}
-ROOT/commits/00000000000000000042.json   commit record of step 42 (its presence makes step 42 exist)
+ROOT/zarr.json                        zarr v3 group; attributes {"deltackpt": {"format": 4}}
+ROOT/commits/00000000000000000042.json   root commit record of step 42 (its presence makes step 42 exist)
 ROOT/bases/00000000000000000042.json     a base of step 42 made by compaction (optional)
 ROOT/steps/zarr.json                  zarr v3 group
 ROOT/steps/ATTEMPT/...                arrays of one save attempt, ATTEMPT = "<step>-<random hex>"
+ROOT/steps/ATTEMPT/parts.<rank>       the part table of the parts rank <rank> wrote (see part_tables)
 ROOT/writer.lease                     who may commit steps (see deltackpt.ops.lease)
 ```
 """

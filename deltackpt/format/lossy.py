@@ -1,4 +1,4 @@
-"""The loss a quantized tensor's record carries (format 3; see ``docs/format.md``)."""
+"""The loss a quantized tensor's record carries (format 5; see ``docs/format.md``)."""
 
 from __future__ import annotations
 

@@ -133,7 +133,7 @@ class Manifest:
         state_bytes: bytes of every tensor of the state, what a full checkpoint writes.
         compacts: for a base made by compaction (``bases/``), the attempt of the step's own
             record that it stands in for; None otherwise.
-        quantize: for a checkpointer with ``quantize=`` (format 3), ``{"restores": N,
+        quantize: for a checkpointer with ``quantize=`` (format 5), ``{"restores": N,
             "tensors": {key: {"pattern", "scheme", "reason"}}}``: the restores the run had made
             before this save and each quantized tensor's rule and why; None otherwise.
     """

@@ -50,9 +50,10 @@ def encode_table(entries: list[tuple[int, TensorRecord, PartRecord]]) -> bytes:
     """The table of one rank's parts, each given with its tensor's index in the root record.
 
     Raises:
-        StateError: a chunk name is none of its part's grid (a writer's bug, never stored).
+        StateError: a chunk name is none of its part's arrays' (a writer's bug, never stored).
     """
     cols: dict[str, list[int]] = {name: [] for name, _, _ in COLUMNS}
+    folders: dict[tuple[str, str, tuple[int, ...], tuple[int, ...], int], dict[str, tuple[int, int]]] = {}
     for index, rec, part in entries:
         cols["tensor"].append(index)
         cols["path"].append(int(part.path[1:]) if part.path else -1)
@@ -61,9 +62,15 @@ def encode_table(entries: list[tuple[int, TensorRecord, PartRecord]]) -> bytes:
         cols["nchunks"].append(len(part.chunks))
         cols["cdims"].append(len(part.chunk_shape))
         cols["dims"] += [*part.offset, *part.shape, *part.chunk_shape]
-        arrays = rec.encoding.arrays(dtypes.from_name(rec.dtype), part.shape, part.chunk_shape, part.changed)
+        if not part.chunks:
+            continue
+        sig = (rec.encoding.name, rec.dtype, part.shape, part.chunk_shape, part.changed)
+        if sig not in folders:
+            arrays = rec.encoding.arrays(dtypes.from_name(rec.dtype), part.shape, part.chunk_shape, part.changed)
+            folders[sig] = {a.name: (i, len(a.shape)) for i, a in enumerate(arrays)}
+        where = folders[sig]
         for name, entry in part.chunks.items():
-            a, k = _locate(arrays, name)
+            a, k = _locate(where, name)
             cols["array"].append(a)
             cols["index"].append(k)
             cols["size"].append(entry[0])
@@ -75,16 +82,17 @@ def encode_table(entries: list[tuple[int, TensorRecord, PartRecord]]) -> bytes:
     return b"".join(out)
 
 
-def _locate(arrays: Sequence[Array], name: str) -> tuple[int, int]:
-    """A chunk's array and grid index (``METADATA``, 0 for the part's ``zarr.json``)."""
+def _locate(arrays: dict[str, tuple[int, int]], name: str) -> tuple[int, int]:
+    """A chunk's array and grid index (``METADATA``, 0 for the part's ``zarr.json``), given
+    each array's index and dimensions by folder."""
     if name == "zarr.json":
         return METADATA, 0
     folder, _, leaf = name.rpartition("/")
-    for a, array in enumerate(arrays):
-        k = chunk_index(leaf, len(array.shape))
-        if array.name == folder and k is not None:
-            return a, k
-    raise StateError(f"chunk {name!r} is in none of its part's arrays")
+    a, ndim = arrays.get(folder, (-1, 0))
+    k = chunk_index(leaf, ndim) if a >= 0 else None
+    if k is None:
+        raise StateError(f"chunk {name!r} is in none of its part's arrays")
+    return a, k
 
 
 @dataclass(frozen=True)
@@ -98,38 +106,51 @@ class Table:
     chunk_at: np.ndarray  # first chunk of each part
     by_tensor: dict[int, np.ndarray]  # tensor index -> its parts' rows
 
-    def parts(self, index: int, rec: TensorRecord) -> list[PartRecord]:
-        """The parts of tensor ``index`` (recorded as ``rec``) this table holds, unchecked
-        against their tensor's grid (see :func:`check_parts`)."""
+    def parts(self, index: int, rec: TensorRecord, where: str) -> list[PartRecord]:
+        """The parts of tensor ``index`` (recorded as ``rec``) this table holds, each checked
+        against its grid (see :func:`deltackpt.format.grid.check_chunks`)."""
         rows = self.by_tensor.get(index)
         if rows is None:
             return []
         c, n = self.cols, len(rec.shape)
-        arrays = rec.encoding.arrays
+        dtype = dtypes.from_name(rec.dtype)
         pack = pack_name(self.rank)
+        grids: dict[tuple[tuple[int, ...], tuple[int, ...], int], tuple[Array, ...]] = {}
+        names: dict[tuple[int, int], str] = {(METADATA, 0): "zarr.json"}
         out = []
         for i in rows.tolist():
-            d = self.dim_at[i]
-            box = c["dims"][d:d + 2 * n + c["cdims"][i]].tolist()
+            d = int(self.dim_at[i])
+            box = c["dims"][d:d + 2 * n + int(c["cdims"][i])].tolist()
             offset, shape, chunk_shape = tuple(box[:n]), tuple(box[n:2 * n]), tuple(box[2 * n:])
             changed, packed = int(c["changed"][i]), bool(c["packed"][i])
-            lo, hi = self.chunk_at[i], self.chunk_at[i] + c["nchunks"][i]
-            if any(s < 1 for s in chunk_shape) or not rec.encoding.fits(chunk_shape, shape, changed):
-                raise ManifestError(f"{self.where}: a part of tensor {index} has chunk_shape "
-                                    f"{list(chunk_shape)}, which does not fit shape {list(shape)}")
-            grid = arrays(dtypes.from_name(rec.dtype), shape, chunk_shape, changed) if hi > lo else ()
+            lo, hi = int(self.chunk_at[i]), int(self.chunk_at[i] + c["nchunks"][i])
+            sig = (shape, chunk_shape, changed)
+            if sig not in grids:
+                if any(s < 1 for s in chunk_shape) or not rec.encoding.fits(chunk_shape, shape, changed):
+                    raise ManifestError(f"{self.where}: a part of tensor {index} has chunk_shape "
+                                        f"{list(chunk_shape)}, which does not fit shape {list(shape)}")
+                grids[sig] = rec.encoding.arrays(dtype, shape, chunk_shape, changed)
+                names = {(METADATA, 0): "zarr.json"}
+            grid = grids[sig]
             chunks: dict[str, tuple[int, str] | tuple[int, str, int]] = {}
             for a, k, size, h, at in zip(c["array"][lo:hi].tolist(), c["index"][lo:hi].tolist(),
                                          c["size"][lo:hi].tolist(), c["hash"][lo:hi].tolist(),
                                          c["at"][lo:hi].tolist()):
-                if a != METADATA and a >= len(grid):
-                    raise ManifestError(f"{self.where}: a chunk of tensor {index} names array {a} "
-                                        f"of {len(grid)}")
-                name = "zarr.json" if a == METADATA else grid[a].chunk(k)
+                name = names.get((a, k))
+                if name is None:
+                    if a >= len(grid) or a == METADATA:
+                        raise ManifestError(f"{self.where}: a chunk of tensor {index} names array {a} "
+                                            f"of {len(grid)}")
+                    name = names[(a, k)] = grid[a].chunk(k)
                 chunks[name] = (size, f"{h:016x}", at) if packed else (size, f"{h:016x}")
             path = f"p{c['path'][i]}" if c["path"][i] >= 0 else ""
-            out.append(PartRecord(offset, shape, path, chunk_shape, changed, chunks,
-                                  pack if packed else None, self.rank))
+            part = PartRecord(offset, shape, path, chunk_shape, changed, chunks,
+                              pack if packed else None, self.rank)
+            if any(o + k > s for o, k, s in zip(offset, shape, rec.shape)):
+                raise ManifestError(f"{where} (table parts.{self.rank}): a part's box at "
+                                    f"{list(offset)} of {list(shape)} is outside {list(rec.shape)}")
+            check_chunks(rec, part, f"{where} part {path or '(whole)'} (table parts.{self.rank})", grid)
+            out.append(part)
         return out
 
 
@@ -191,22 +212,14 @@ def decode_table(data: bytes, where: str, rank: int, ndims: Sequence[int],
 
 
 def check_parts(rec: TensorRecord, where: str) -> None:
-    """Checks a tensor's parts together and each against its grid: paths distinct (``""`` only
-    for a single part), boxes inside the tensor, a whole encoding's parts tiling it, and each
-    part's chunks those of its grid at sizes that fit."""
+    """Checks a tensor's parts together (each was checked on its own as its table gave it):
+    paths distinct (``""`` only for a single part) and a whole encoding's parts tiling it."""
     parts = rec.parts
     paths = [p.path for p in parts]
     if len(set(paths)) != len(paths) or ("" in paths and len(paths) > 1):
         raise ManifestError(f"{where}: part paths must be distinct, and '' only for a single part")
-    for i, p in enumerate(parts):
-        if not len(p.offset) == len(rec.shape) or any(
-                o + n > s for o, n, s in zip(p.offset, p.shape, rec.shape)):
-            raise ManifestError(f"{where} part {i} (table parts.{p.rank}): box at {list(p.offset)} "
-                                f"of {list(p.shape)} is outside {list(rec.shape)}")
     if rec.encoding.whole:
         try:
             check_tiling(where, tuple(rec.shape), [p.box for p in parts])
         except StateError as e:
             raise ManifestError(str(e)) from None
-    for i, part in enumerate(parts):
-        check_chunks(rec, part, f"{where} part {i} (table parts.{part.rank})")

@@ -118,7 +118,7 @@ class LazyParts(Sequence[PartRecord]):
             if self._parts is None:
                 parts: list[PartRecord] = []
                 for rank in sorted(self._tables.owners[self._index]):
-                    got = self._tables.table(rank).parts(self._index, self._head)
+                    got = self._tables.table(rank).parts(self._index, self._head, self._where)
                     if not got:
                         raise ManifestError(f"{self._where}: lists rank {rank}, whose table holds "
                                             f"none of its parts")

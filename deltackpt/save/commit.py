@@ -38,7 +38,7 @@ def build_manifest(save: SavePlan, plan: GlobalPlan, changed: Mapping[tuple[str,
     """The commit record of a save: every part of ``plan``, holding ``changed`` rows or chunks
     (by tensor key and part path), with the chunks every rank wrote for it, and the files of
     every pack; each lossy tensor's scheme and bounds, and with ``restores`` (the checkpointer
-    has ``quantize=``) the quantization decisions, in a format-3 record."""
+    has ``quantize=``) the quantization decisions, in a format-5 record."""
     step, kind, attempt = save.step, save.kind, save.attempt
     files: dict[tuple[str, str], ChunkMap] = {}
     packs: dict[str, ChunkMap] = {}

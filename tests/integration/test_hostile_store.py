@@ -363,3 +363,23 @@ def test_restore_into_a_missing_folder_is_one_line(store, tmp_path):
     line = one_line_error(cli("restore", str(store), "--step", "1", "--out", str(tmp_path / "no" / "x.pt")))
     assert "no" in line
     assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda data: data[:-8], r"lists a part table of \d+ bytes, it has \d+"),
+    (lambda data: data[:40] + bytes([data[40] ^ 1]) + data[41:], "does not match its checksum"),
+])
+def test_a_damaged_part_table_is_refused_naming_it_while_ls_and_other_steps_go_on(store, damage, message):
+    attempt = json.loads(record_path(store, 1).read_bytes())["attempt"]
+    table = store / "steps" / attempt / "parts.0"
+    data = damage(table.read_bytes())
+    table.unlink()
+    table.write_bytes(data)
+    with Checkpointer(store, create=False) as ckpt:
+        with pytest.raises(ManifestError, match=rf"steps/{attempt}/parts\.0: .*{message}"):
+            ckpt.load(1)
+        assert torch.equal(ckpt.load(0)["table"], state(0)["table"])
+        problems = ckpt.verify(1).problems
+        assert [p.kind for p in problems] == ["record"] and "parts.0" in problems[0].detail
+    proc = cli("ls", str(store), "--json")  # roots only: both steps listed as saved
+    assert exit_code(proc) == 0 and [r["kind"] for r in json.loads(proc.stdout)] == ["base", "delta"]

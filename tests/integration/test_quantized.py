@@ -83,8 +83,8 @@ def test_exact_store_never_lossy(tmp_path):
         got = ckpt.load(1)
     assert torch.equal(got["model"]["emb.weight"], s1["model"]["emb.weight"])
     for step in (0, 1):
-        rec = record(path, step)  # format 2, as before quantization existed: no lossy fields
-        assert rec["format"] == 2 and "lossy" not in rec and "quantize" not in rec
+        rec = record(path, step)  # format 4, the exact format: no lossy fields
+        assert rec["format"] == 4 and "lossy" not in rec and "quantize" not in rec
         assert all("lossy" not in t for t in rec["tensors"].values())
 
 
