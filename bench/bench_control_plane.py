@@ -334,10 +334,14 @@ def simulate(world: int, state_of: StateOf, *, changed: Changed, sizes: tuple[in
         del results, scans, everyone, items, locals_, sent
         parsed, s = _timed(lambda: parse_manifest(root, f"commits/{step}", _reader(tables)))
         run.add(Phase(f"{step}: parse root (ls; reader)", "every reader", s, 0.0, 0, len(root)))
+        fresh = parse_manifest(root, f"commits/{step}", _reader(tables))
+        one = next(iter(fresh.tensors), None)
+        _, s = _timed(lambda: one is not None and tuple(fresh.tensors[one].parts))
+        run.add(Phase(f"{step}: one tensor's part tables (load of one key; reader)", "every reader", s, 0.0,
+                      0, sum(len(tables[r]) for r in {p.rank for p in fresh.tensors[one].parts}) if one else 0))
         _, s = _timed(lambda: [tuple(t.parts) for t in parsed.tensors.values()])
         run.add(Phase(f"{step}: every part table (restore, load; reader)", "every reader", s, 0.0, 0,
                       table_bytes))
-        one = next(iter(parsed.tensors), None)
         tables_read = len({p.rank for p in parsed.tensors[one].parts}) if one is not None else 0
         run.records.append(parsed)
         run.record_bytes.append(len(root))

@@ -11,7 +11,7 @@ of one tensor are built only when a reader asks for them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,9 +19,8 @@ import numpy as np
 from ..errors import ManifestError, StateError
 from ..sharding import check_tiling
 from . import dtypes
-from .grid import check_chunks
 from .layout import pack_name
-from .limits import MAX_STEP, chunk_index
+from .limits import MAX_METADATA_BYTES, MAX_STEP, chunk_index, coded_size_fits
 from .manifest import PartRecord, TensorRecord
 
 if TYPE_CHECKING:
@@ -53,7 +52,9 @@ def encode_table(entries: list[tuple[int, TensorRecord, PartRecord]]) -> bytes:
         StateError: a chunk name is none of its part's arrays' (a writer's bug, never stored).
     """
     cols: dict[str, list[int]] = {name: [] for name, _, _ in COLUMNS}
-    folders: dict[tuple[str, str, tuple[int, ...], tuple[int, ...], int], dict[str, tuple[int, int]]] = {}
+    # A chunk's array and index follow from its name and its array's folder and rank alone: the
+    # same for every part of one encoding and rank, whatever its shape.
+    located: dict[tuple[str, int], tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]] = {}
     for index, rec, part in entries:
         cols["tensor"].append(index)
         cols["path"].append(int(part.path[1:]) if part.path else -1)
@@ -64,15 +65,17 @@ def encode_table(entries: list[tuple[int, TensorRecord, PartRecord]]) -> bytes:
         cols["dims"] += [*part.offset, *part.shape, *part.chunk_shape]
         if not part.chunks:
             continue
-        sig = (rec.encoding.name, rec.dtype, part.shape, part.chunk_shape, part.changed)
-        if sig not in folders:
+        key = (rec.encoding.name, len(part.shape))
+        if key not in located:
             arrays = rec.encoding.arrays(dtypes.from_name(rec.dtype), part.shape, part.chunk_shape, part.changed)
-            folders[sig] = {a.name: (i, len(a.shape)) for i, a in enumerate(arrays)}
-        where = folders[sig]
+            located[key] = ({a.name: (i, len(a.shape)) for i, a in enumerate(arrays)}, {})
+        folders, names = located[key]
         for name, entry in part.chunks.items():
-            a, k = _locate(where, name)
-            cols["array"].append(a)
-            cols["index"].append(k)
+            pair = names.get(name)
+            if pair is None:
+                pair = names[name] = _locate(folders, name)
+            cols["array"].append(pair[0])
+            cols["index"].append(pair[1])
             cols["size"].append(entry[0])
             cols["hash"].append(int(entry[1], 16))
             cols["at"].append(entry[2] if len(entry) == 3 else -1)
@@ -96,6 +99,47 @@ def _locate(arrays: dict[str, tuple[int, int]], name: str) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
+class Grid:
+    """The chunk grid of the parts of one shape, chunk shape and changed count."""
+
+    arrays: tuple[Array, ...]
+    counts: tuple[int, ...]  # chunks along dimension 0 of each array
+    sizes: tuple[int, ...]  # bytes each array's chunk decodes to
+    coded: tuple[bool, ...]  # each array's chunks blosc coded
+
+    @classmethod
+    def of(cls, rec: TensorRecord, shape: tuple[int, ...], chunk_shape: tuple[int, ...], changed: int) -> Grid:
+        arrays = rec.encoding.arrays(dtypes.from_name(rec.dtype), shape, chunk_shape, changed)
+        return cls(arrays, tuple(a.chunks for a in arrays), tuple(a.chunk_bytes for a in arrays),
+                   tuple(a.coded for a in arrays))
+
+    def problem(self, sparse: bool, pairs: list[tuple[int, int]], sizes: list[int]) -> str | None:
+        """Why a part's chunks, as (array, index) pairs of these sizes, are not its grid (every
+        chunk of each array, or for a sparse encoding any of them, and at most one ``zarr.json``
+        of at most 1 MiB), each of a size that holds its place; None if they are."""
+        if any(a.chunk_shape[1:] != a.shape[1:] for a in self.arrays):
+            return "its chunk_shape does not span the part's other dimensions"
+        if len(set(pairs)) != len(pairs):
+            return "a chunk is listed twice"
+        data = 0
+        for (a, k), size in zip(pairs, sizes):
+            if a == METADATA:
+                if k != 0 or size > MAX_METADATA_BYTES:
+                    return f"its zarr.json entry ({k}, {size} B) is bad"
+                continue
+            data += 1
+            if a >= len(self.arrays) or k >= self.counts[a]:
+                return (f"chunk {k} of array {a} is not one of the part's grid "
+                        f"({self.counts} chunk(s) of its {len(self.arrays)} arrays)")
+            if not (coded_size_fits(size, self.sizes[a]) if self.coded[a] else size == self.sizes[a]):
+                return f"chunk {self.arrays[a].chunk(k)!r} of {size} B cannot hold its place in the grid"
+        if not sparse and data != sum(self.counts):
+            return (f"it lists {data} chunks, its grid has {sum(self.counts)} "
+                    f"({self.counts} chunk(s) of its arrays)")
+        return None
+
+
+@dataclass(frozen=True)
 class Table:
     """One rank's decoded, checked table: its columns, and where each tensor's parts lie."""
 
@@ -105,52 +149,59 @@ class Table:
     dim_at: np.ndarray  # first box number of each part
     chunk_at: np.ndarray  # first chunk of each part
     by_tensor: dict[int, np.ndarray]  # tensor index -> its parts' rows
+    _lists: dict[str, list[int]] = field(default_factory=dict, compare=False, repr=False)
+
+    def columns(self) -> dict[str, list[int]]:
+        """The columns as Python lists (made once: a part's few numbers read faster so)."""
+        if not self._lists:
+            lists = {name: col.tolist() for name, col in self.cols.items()}
+            lists |= {"dim_at": self.dim_at.tolist(), "chunk_at": self.chunk_at.tolist()}
+            self._lists.update(lists)
+        return self._lists
 
     def parts(self, index: int, rec: TensorRecord, where: str) -> list[PartRecord]:
-        """The parts of tensor ``index`` (recorded as ``rec``) this table holds, each checked
-        against its grid (see :func:`deltackpt.format.grid.check_chunks`)."""
+        """The parts of tensor ``index`` (recorded as ``rec``) this table holds, each checked:
+        its box inside the tensor, its chunk shape fitting its encoding, its chunks its grid
+        (see :meth:`Grid.problem`)."""
         rows = self.by_tensor.get(index)
         if rows is None:
             return []
-        c, n = self.cols, len(rec.shape)
-        dtype = dtypes.from_name(rec.dtype)
-        pack = pack_name(self.rank)
-        grids: dict[tuple[tuple[int, ...], tuple[int, ...], int], tuple[Array, ...]] = {}
+        c, n = self.columns(), len(rec.shape)
+        pack, label = pack_name(self.rank), f"{where} (table parts.{self.rank})"
+        grids: dict[tuple[tuple[int, ...], tuple[int, ...], int], Grid] = {}
         names: dict[tuple[int, int], str] = {(METADATA, 0): "zarr.json"}
         out = []
-        for i in rows.tolist():
-            d = int(self.dim_at[i])
-            box = c["dims"][d:d + 2 * n + int(c["cdims"][i])].tolist()
-            offset, shape, chunk_shape = tuple(box[:n]), tuple(box[n:2 * n]), tuple(box[2 * n:])
-            changed, packed = int(c["changed"][i]), bool(c["packed"][i])
-            lo, hi = int(self.chunk_at[i]), int(self.chunk_at[i] + c["nchunks"][i])
-            sig = (shape, chunk_shape, changed)
-            if sig not in grids:
-                if any(s < 1 for s in chunk_shape) or not rec.encoding.fits(chunk_shape, shape, changed):
-                    raise ManifestError(f"{self.where}: a part of tensor {index} has chunk_shape "
-                                        f"{list(chunk_shape)}, which does not fit shape {list(shape)}")
-                grids[sig] = rec.encoding.arrays(dtype, shape, chunk_shape, changed)
-                names = {(METADATA, 0): "zarr.json"}
-            grid = grids[sig]
-            chunks: dict[str, tuple[int, str] | tuple[int, str, int]] = {}
-            for a, k, size, h, at in zip(c["array"][lo:hi].tolist(), c["index"][lo:hi].tolist(),
-                                         c["size"][lo:hi].tolist(), c["hash"][lo:hi].tolist(),
-                                         c["at"][lo:hi].tolist()):
-                name = names.get((a, k))
-                if name is None:
-                    if a >= len(grid) or a == METADATA:
-                        raise ManifestError(f"{self.where}: a chunk of tensor {index} names array {a} "
-                                            f"of {len(grid)}")
-                    name = names[(a, k)] = grid[a].chunk(k)
-                chunks[name] = (size, f"{h:016x}", at) if packed else (size, f"{h:016x}")
-            path = f"p{c['path'][i]}" if c["path"][i] >= 0 else ""
-            part = PartRecord(offset, shape, path, chunk_shape, changed, chunks,
-                              pack if packed else None, self.rank)
+        dims = c["dims"]
+        for j in rows.tolist():
+            d = c["dim_at"][j]
+            offset, shape = tuple(dims[d:d + n]), tuple(dims[d + n:d + 2 * n])
+            chunk_shape = tuple(dims[d + 2 * n:d + 2 * n + c["cdims"][j]])
+            changed, packed, path = c["changed"][j], c["packed"][j], c["path"][j]
+            path = f"p{path}" if path >= 0 else ""
             if any(o + k > s for o, k, s in zip(offset, shape, rec.shape)):
-                raise ManifestError(f"{where} (table parts.{self.rank}): a part's box at "
-                                    f"{list(offset)} of {list(shape)} is outside {list(rec.shape)}")
-            check_chunks(rec, part, f"{where} part {path or '(whole)'} (table parts.{self.rank})", grid)
-            out.append(part)
+                raise ManifestError(f"{label}: part {path!r}: box at {list(offset)} of {list(shape)} "
+                                    f"is outside {list(rec.shape)}")
+            sig = (shape, chunk_shape, changed)
+            grid = grids.get(sig)
+            if grid is None:
+                if any(s < 1 for s in chunk_shape) or not rec.encoding.fits(chunk_shape, shape, changed):
+                    raise ManifestError(f"{label}: part {path!r}: chunk_shape {list(chunk_shape)} does "
+                                        f"not fit shape {list(shape)} and encoding {rec.encoding!r}")
+                grid = grids[sig] = Grid.of(rec, shape, chunk_shape, changed)
+            lo, hi = c["chunk_at"][j], c["chunk_at"][j] + c["nchunks"][j]
+            pairs = list(zip(c["array"][lo:hi], c["index"][lo:hi]))
+            sizes = c["size"][lo:hi]
+            why = grid.problem(rec.encoding.sparse, pairs, sizes)
+            if why is not None:
+                raise ManifestError(f"{label}: part {path!r} of {list(shape)} by {list(chunk_shape)}: {why}")
+            chunks: dict[str, tuple[int, str] | tuple[int, str, int]] = {}
+            for pair, size, h, at in zip(pairs, sizes, c["hash"][lo:hi], c["at"][lo:hi]):
+                name = names.get(pair)
+                if name is None:
+                    name = names[pair] = grid.arrays[pair[0]].chunk(pair[1])
+                chunks[name] = (size, f"{h:016x}", at) if packed else (size, f"{h:016x}")
+            out.append(PartRecord(offset, shape, path, chunk_shape, changed, chunks,
+                                  pack if packed else None, self.rank))
         return out
 
 

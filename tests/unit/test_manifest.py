@@ -157,7 +157,7 @@ def with_value(stored, name: str, value: int, row: int = 0) -> tuple[dict, dict[
     ("size", 1 << 62, "a size value is out of range"),
     ("at", 1 << 40, "outside pack.0"),
     ("at", -1, "disagrees with its part being packed"),
-    ("array", 9, "names array 9"),
+    ("array", 9, "chunk 0 of array 9 is not one of the part.s grid"),
     ("array", -2, "array index is out of range"),
     ("index", 1 << 40, "is not one of the part's grid"),
     ("packed", 2, "is packed"),
