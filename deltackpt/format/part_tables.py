@@ -98,6 +98,10 @@ def _locate(arrays: dict[str, tuple[int, int]], name: str) -> tuple[int, int]:
     return a, k
 
 
+# The grids by (shape, chunk shape, changed) and the chunk names by (array, index) of one tensor.
+Seen = tuple[dict[tuple[tuple[int, ...], tuple[int, ...], int], "Grid"], dict[tuple[int, int], str]]
+
+
 @dataclass(frozen=True)
 class Grid:
     """The chunk grid of the parts of one shape, chunk shape and changed count."""
@@ -159,17 +163,17 @@ class Table:
             self._lists.update(lists)
         return self._lists
 
-    def parts(self, index: int, rec: TensorRecord, where: str) -> list[PartRecord]:
+    def parts(self, index: int, rec: TensorRecord, where: str, seen: Seen) -> list[PartRecord]:
         """The parts of tensor ``index`` (recorded as ``rec``) this table holds, each checked:
         its box inside the tensor, its chunk shape fitting its encoding, its chunks its grid
-        (see :meth:`Grid.problem`)."""
+        (see :meth:`Grid.problem`). ``seen``: the grids and chunk names of the tensor's parts
+        in other tables, shared by every table the tensor's parts are read from."""
         rows = self.by_tensor.get(index)
         if rows is None:
             return []
         c, n = self.columns(), len(rec.shape)
         pack, label = pack_name(self.rank), f"{where} (table parts.{self.rank})"
-        grids: dict[tuple[tuple[int, ...], tuple[int, ...], int], Grid] = {}
-        names: dict[tuple[int, int], str] = {(METADATA, 0): "zarr.json"}
+        grids, names = seen
         out = []
         dims = c["dims"]
         for j in rows.tolist():

@@ -22,7 +22,7 @@ from .layout import STEPS
 from .lossy import Lossy
 from .encodings import Encoding
 from .manifest import Manifest, PartRecord, TensorRecord
-from .part_tables import Table, check_parts, decode_table, encode_table
+from .part_tables import METADATA, Seen, Table, check_parts, decode_table, encode_table
 
 # Reads a rank's table (its key, size and checksum as the root records them), checked.
 TableReader = Callable[[str, int, str], bytes]
@@ -114,11 +114,12 @@ class LazyParts(Sequence[PartRecord]):
         self._lock = threading.Lock()
 
     def _load(self) -> tuple[PartRecord, ...]:
-        with self._lock:
+        with self._lock, paused():  # many small objects: no cyclic collection while they are made
             if self._parts is None:
                 parts: list[PartRecord] = []
+                seen: Seen = ({}, {(METADATA, 0): "zarr.json"})
                 for rank in sorted(self._tables.owners[self._index]):
-                    got = self._tables.table(rank).parts(self._index, self._head, self._where)
+                    got = self._tables.table(rank).parts(self._index, self._head, self._where, seen)
                     if not got:
                         raise ManifestError(f"{self._where}: lists rank {rank}, whose table holds "
                                             f"none of its parts")
