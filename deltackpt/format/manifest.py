@@ -43,8 +43,8 @@ class PartRecord:
             a pack ``[size_in_bytes, xxh3_64_hex, offset_in_pack]``.
         pack: the pack holding the part's chunks (a delta's ``pack.<rank>``), or None when each
             chunk is a file.
-        rank: the rank whose part table lists the part (the one that wrote it, or for a base
-            made by compaction, rank 0).
+        rank: the rank whose part table lists the part: the one that wrote it (in a base made
+            by compaction, the rank whose pack holds a packed part, else rank 0).
     """
 
     offset: tuple[int, ...]

@@ -150,18 +150,19 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
     def commit() -> int:
         files: dict[tuple[str, str], ChunkMap] = {}
         packs: dict[str, ChunkMap] = {}
-        in_packs: dict[str, str] = {}  # the pack of each packed tensor: its writer's
+        in_packs: dict[str, int] = {}  # the rank whose pack holds each packed tensor
         for rank, per_rank in [(None, work.docs), *((r, res[0]) for r, res in enumerate(results))]:
             for where, chunks in per_rank.items():
                 files.setdefault(where, {}).update(chunks)
                 if rank is not None and any(len(e) == 3 for e in chunks.values()):
-                    in_packs[where[0]] = pack_name(rank)
+                    in_packs[where[0]] = rank
         for _, rank_packs in results:
             packs.update(rank_packs)
         tensors = {}
         for key, rec in m.tensors.items():
             part = PartRecord((0,) * len(rec.shape), rec.shape, "", _chunks(rec, sizes),
-                              rec.shape[0] if rec.shape else 1, files.get((key, ""), {}), in_packs.get(key))
+                              rec.shape[0] if rec.shape else 1, files.get((key, ""), {}),
+                              None if key not in in_packs else pack_name(in_packs[key]), in_packs.get(key, 0))
             # A chain with quantized rows decodes to a base with their loss: marked, never exact.
             lossy = None if rec.lossy is None else Lossy(None, rec.lossy.chain_bound, rec.lossy.chain_bound)
             tensors[key] = TensorRecord(rec.dtype, rec.shape, FULL, (part,), lossy)

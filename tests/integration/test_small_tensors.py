@@ -129,13 +129,14 @@ def test_compaction_packs_small_parts_as_a_base_does(store_path):
         assert base is not None
         files = files_under(os.path.join(store_path, "steps", base.attempt))
         table = [f for f in files if f.startswith("table" + os.sep)]
-        assert sorted(set(files) - set(table)) == ["pack.0/c.0", "pack.0/zarr.json", "zarr.json"]
+        assert sorted(set(files) - set(table)) == ["pack.0/c.0", "pack.0/zarr.json", "parts.0", "zarr.json"]
         assert base.tensors["table"].parts[0].pack is None
         small = [r for k, r in base.tensors.items() if k != "table" and r.shape[0:1] != (0,)]
         assert small and all(r.parts[0].pack == "pack.0" for r in small)
-        # Every file but the attempt's group document, which no record lists.
+        # Every file but the attempt's group document, which no record lists, and the record's
+        # own part table.
         assert base.bytes_written == sum(os.path.getsize(os.path.join(store_path, "steps", base.attempt, f))
-                                         for f in files if f != "zarr.json")
+                                         for f in files if f not in ("zarr.json", "parts.0"))
         ckpt.gc(Retention(keep_last=1), grace_seconds=0)
         assert ckpt.verify().ok
         assert_same_state(ckpt.load(3), state)
