@@ -61,7 +61,10 @@ def run(n: int, where: str) -> dict[str, float]:
         files, nbytes = files_and_bytes(root)
         out["base files"] = files
         out["base bytes"] = nbytes
-        out["record bytes"] = os.path.getsize(os.path.join(root, "commits", f"{0:020d}.json"))
+        # The root record and its part tables.
+        folder = os.path.join(root, "steps", ckpt.store.manifest(0).attempt)
+        out["record bytes"] = os.path.getsize(os.path.join(root, "commits", f"{0:020d}.json")) + sum(
+            os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.startswith("parts."))
         state["layer0/p2"][3, 5] += 1
         t0 = time.perf_counter()
         info = ckpt.save(1, state)

@@ -114,7 +114,7 @@ class LazyParts(Sequence[PartRecord]):
         self._lock = threading.Lock()
 
     def _load(self) -> tuple[PartRecord, ...]:
-        with self._lock, paused():  # many small objects: no cyclic collection while they are made
+        with self._lock:
             if self._parts is None:
                 parts: list[PartRecord] = []
                 seen: Seen = ({}, {(METADATA, 0): "zarr.json"})
