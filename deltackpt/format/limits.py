@@ -2,7 +2,8 @@
 keep reading an untrusted store within what its real files justify.
 
 A store on disk is untrusted input. Tensor keys become folders, so a key component must be a
-plain file name (not empty, ``.``, ``..``, ``zarr.json``, nor holding NUL or a lone surrogate);
+plain file name (not empty, ``.``, ``..``, ``zarr.json``, nor holding NUL or a lone surrogate),
+and a first component must not name a rank's pack or part table (``pack.<n>``, ``parts.<n>``);
 the state is refused at ``save`` and a record at parsing. Every number in a record that drives
 work or memory is checked against the record itself (a base lists every chunk of its grid, raw
 chunks have exactly the size of their rows) and against the real size of each file before a
@@ -25,6 +26,8 @@ MAX_NAME_BYTES = 255  # a key component, as the file systems' NAME_MAX
 BLOSC_HEADER = 16  # bytes of a blosc chunk's header (and its largest overhead)
 MAX_RATIO = 256  # LZ4, blosc's codec here, never shrinks data more than 255 times
 RESERVED = frozenset({"", ".", "..", "zarr.json"})
+# Names of a save attempt's own files beside its tensors' folders: a rank's pack and part table.
+RESERVED_TOP = re.compile(r"(pack|parts)\.[0-9]+", re.ASCII)
 
 
 def key_problem(key: str) -> str | None:
@@ -33,7 +36,12 @@ def key_problem(key: str) -> str | None:
     Example:
         >>> key_problem("model/emb.weight") is None, key_problem("a/../b")
         (True, "component '..' is reserved")
+        >>> key_problem("pack.0/x"), key_problem("model/pack.0") is None
+        ("first component 'pack.0' is reserved (a rank's pack or part table)", True)
     """
+    first = key.split("/", 1)[0]
+    if RESERVED_TOP.fullmatch(first):
+        return f"first component {first!r} is reserved (a rank's pack or part table)"
     for part in key.split("/"):
         if part in RESERVED:
             return f"component {part!r} is reserved"

@@ -69,6 +69,23 @@ def test_save_refuses_keys_that_are_no_file_name(tmp_path, bad, nested):
     assert not list(root.glob("commits/*.json"))
 
 
+@pytest.mark.parametrize("bad", ["pack.0", "parts.0", "parts.17"])
+def test_save_refuses_top_level_keys_that_name_a_ranks_own_files(tmp_path, bad):
+    """A save attempt's folder holds each rank's pack and part table beside the tensors'
+    folders: a large top-level tensor of that name would collide with them. Nested, the name is
+    an ordinary one."""
+    root = tmp_path / "store"
+    big = torch.arange(1 << 19, dtype=torch.float32)  # 2 MiB: a folder of its own, not packed
+    with Checkpointer(root) as ckpt:
+        with pytest.raises(StateError, match=f"{bad}.*reserved"):
+            ckpt.save(0, {bad: big, "ok": torch.ones(4)})
+        assert ckpt.steps() == []
+        ckpt.save(1, {"m": {bad: big}, "ok": torch.ones(4)})
+        out = {"m": {bad: torch.zeros_like(big)}, "ok": torch.zeros(4)}
+        ckpt.restore(out, 1)
+        assert torch.equal(out["m"][bad], big)
+
+
 def _rename_tensor(doc: dict, old: str, new: str) -> None:
     doc["tensors"][new] = doc["tensors"].pop(old)
     text = json.dumps(doc["tree"]).replace(json.dumps({"tensor": old}), json.dumps({"tensor": new}))
