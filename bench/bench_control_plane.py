@@ -390,8 +390,8 @@ def _scan(items: tuple[WriteItem, ...], changed: Changed | None, sizes: tuple[in
     for it in items:
         ids = None if changed is None else torch.empty(changed(it.key, it.part, it.tensor), dtype=torch.int64,
                                                        device="meta")
-        elems = dense_chunk_elems(it.tensor.numel(), it.tensor.element_size(), sizes[1])
-        out.append(summarize(it.key, it.part.path, it.tensor, TensorChange(ids, None), elems))
+        out.append(summarize(it.key, it.part.path, it.tensor, TensorChange(ids, None),
+                             lambda t: dense_chunk_elems(t.numel(), t.element_size(), sizes[1])))
     return out
 
 

@@ -150,6 +150,7 @@ class Saver:
                      info.blocked_seconds)
         return info
 
+    @paused()
     def _commit(self, save: SavePlan, scans: list[PartScan], results: list[WriteResult]) -> Committed:
         """Coordinator: the commit record of every rank's ``results``; it becomes the head. (The
         plan is the one ``save`` was staged under: the next save stages after this commit.)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -33,17 +33,21 @@ class PartScan:
     delta_bytes: int
 
 
-def summarize(key: str, path: str, t: torch.Tensor, change: TensorChange, chunk_elems: int,
-              rule: Rowwise | None = None) -> PartScan:
+def summarize(key: str, path: str, t: torch.Tensor, change: TensorChange,
+              chunk_elems: Callable[[torch.Tensor], int], rule: Rowwise | None = None) -> PartScan:
+    """The scan of one part; ``chunk_elems`` gives a dense tensor's elements per chunk (asked
+    only of a changed one: most parts of a delta of many tensors are unchanged)."""
     if change.changed is None:
         return PartScan(key, path, False, 0, 0)
     n = change.changed.numel()
+    if not n:
+        return PartScan(key, path, True, 0, 0)
     if rule is not None:  # a quantized delta's rows, so the policy weighs what it will write
         return PartScan(key, path, True, n,
                         n * (rowwise.row_bytes(t[0].numel(), rule.bits, rule.scale_dtype) + 8))
     if is_row_sparse(t):
         return PartScan(key, path, True, n, n * (math.prod(t.shape[1:]) * t.element_size() + 8))
-    return PartScan(key, path, True, n, n * chunk_elems * t.element_size())
+    return PartScan(key, path, True, n, n * chunk_elems(t) * t.element_size())
 
 
 def scan(tracker: ChangeTracker, items: tuple[WriteItem, ...], quantize: QuantizePlan | None = None
@@ -54,7 +58,7 @@ def scan(tracker: ChangeTracker, items: tuple[WriteItem, ...], quantize: Quantiz
     changes = tracker.scan(tensors)
     rules = {it.key: c.rule for it in items if quantize is not None
              and (c := quantize.choose(it.key, restores=quantize.restores)) is not None}
-    scans = [summarize(it.key, it.part.path, it.tensor, changes[it.key], tracker.chunk_elems(it.tensor),
+    scans = [summarize(it.key, it.part.path, it.tensor, changes[it.key], tracker.chunk_elems,
                        rules.get(it.key))
              for it in items]
     return scans, changes
