@@ -12,6 +12,7 @@ pool, which bounds the memory a restore adds to the tensors it fills.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from functools import partial
@@ -59,7 +60,9 @@ class ChainReader:
         self._executor = executor
         self._ids: dict[tuple[int, str, str], torch.Tensor] = {}  # a delta part's row ids
         self._sized: set[str] = set()  # pack files whose size was checked
-        self._here = False  # the tensor being read is small: its jobs run on this thread
+        # Per thread (an export reads ahead on a second one): whether the tensor it reads is
+        # small, so that its jobs run on that thread.
+        self._small = threading.local()
 
     def check_files(self, key: str, box: Box) -> None:
         """Checks that every file of the base parts of ``key`` that intersect ``box`` has its
@@ -87,11 +90,11 @@ class ChainReader:
         delta's reads run at once and no row is copied twice.
         """
         box = box or whole(tuple(dest.shape))
-        self._here = dest.nbytes <= INLINE_BYTES
+        self._small.here = dest.nbytes <= INLINE_BYTES
         try:
             self._read(key, dest, box)
         finally:
-            self._here = False
+            self._small.here = False
 
     def _read(self, key: str, dest: torch.Tensor, box: Box) -> None:
         recs = [self._checked(m, key, dest, box) for m in self._chain]
@@ -129,7 +132,7 @@ class ChainReader:
         """Runs ``jobs`` on the I/O threads (a small tensor's on this thread, see
         :data:`INLINE_BYTES`); raises the first error once every job ended."""
         error = None
-        if self._here:
+        if getattr(self._small, "here", False):
             for job in jobs:
                 try:
                     job()
