@@ -31,6 +31,7 @@ from ..sharding import Box
 from ..storage import Storage
 from .cover import Covers, RowCover, SpanCover
 from .fetch import fetch, stored_size
+from .row_hashes import RowHashes
 from .staging import StagingPool
 
 
@@ -81,13 +82,15 @@ class ChainReader:
                     if name != "zarr.json":
                         stored_size(self._storage, m, key, part, name, self._sized)
 
-    def read(self, key: str, dest: torch.Tensor, box: Box | None = None) -> None:
+    def read(self, key: str, dest: torch.Tensor, box: Box | None = None,
+             hashes: RowHashes | None = None) -> None:
         """Fills ``dest`` (CPU, contiguous, of the recorded dtype) with the box ``box`` (default:
         the whole tensor) of ``key``'s value.
 
         The last full record of the chain (its base) is read first; then the deltas after it,
         newest first, each writing only the rows and elements no newer delta wrote, so every
-        delta's reads run at once and no row is copied twice.
+        delta's reads run at once and no row is copied twice. With ``hashes``, the read jobs
+        hash the rows they write (see :mod:`.row_hashes`); :meth:`RowHashes.complete` finishes.
         """
         box = box or whole(tuple(dest.shape))
         self._small.here = dest.nbytes <= INLINE_BYTES
@@ -109,12 +112,12 @@ class ChainReader:
         self.run([partial(self.ids, m, key, part) for m, rec, part, _ in hits if rec.encoding.claims == "rows"])
         covers = Covers(RowCover(box, [part.box for _, _, part, _ in hits]) if dest.dim() else None, SpanCover())
         jobs = [job for m, rec, part, inter in hits
-                for job in rec.encoding.read(self, m, key, rec, part, inter, dest, box, covers)]
+                for job in rec.encoding.read(self, m, key, rec, part, inter, dest, box, covers, hashes)]
         if base is not None:
             m, rec = base
             self.run([job for part in rec.parts for inter in [part.box.intersect(box)]
                       if inter is not None and inter.numel
-                      for job in rec.encoding.read(self, m, key, rec, part, inter, dest, box, None)])
+                      for job in rec.encoding.read(self, m, key, rec, part, inter, dest, box, None, hashes)])
         self.run(jobs)
 
     def _checked(self, m: Manifest, key: str, dest: torch.Tensor, box: Box) -> TensorRecord:

@@ -6,7 +6,7 @@ error naming the key(s) and both values, leaving the live state untouched.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
+from collections.abc import Callable, Collection, Mapping, MutableMapping, MutableSequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ from ..errors import (
 from ..format import dtypes
 from ..format.manifest import Manifest
 from ..io.reader import ChainReader
+from ..io.row_hashes import RowHashes
 from ..sharding import Box, Shard, as_shard, is_dtensor
 
 
@@ -148,10 +149,17 @@ def _child(parent: Any, k: Any, node: dict[str, Any], path: str, m: Manifest, pl
         plan.steps.append(assign)
 
 
-def fill(plan: RestorePlan, m: Manifest, reader: ChainReader) -> None:
+def fill(plan: RestorePlan, m: Manifest, reader: ChainReader,
+         hashed: Collection[str] = ()) -> dict[str, torch.Tensor]:
     """Reads every tensor the plan covers (targets in place, through a temporary when not a
-    contiguous CPU tensor), then runs the plan's finishing steps."""
+    contiguous CPU tensor), then runs the plan's finishing steps.
+
+    Returns:
+        For each target in ``hashed``, the hash of every row of its local tensor, taken by the
+        reads from the rows they wrote (see :mod:`deltackpt.io.row_hashes`).
+    """
     final: dict[str, torch.Tensor] = {}
+    hashes: dict[str, torch.Tensor] = {}
     for key in sorted(plan.covered):
         rec = m.tensors[key]
         target = plan.targets.get(key)
@@ -164,8 +172,12 @@ def fill(plan: RestorePlan, m: Manifest, reader: ChainReader) -> None:
         local = target.local
         direct = local.device.type == "cpu" and local.is_contiguous()
         dest = local if direct else torch.empty(local.shape, dtype=local.dtype)
-        reader.read(key, dest, target.box)
+        rows = RowHashes.of(dest.shape[0]) if key in hashed and dest.dim() else None
+        reader.read(key, dest, target.box, rows)
+        if rows is not None:
+            hashes[key] = rows.complete(dest)
         if not direct:
             local.copy_(dest)
         final[key] = local
     plan.finish(final)
+    return hashes

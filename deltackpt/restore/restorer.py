@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .. import statetree
 from ..collectives import Collective
@@ -19,12 +17,16 @@ from ..io.staging import StagingPool
 from ..storage import Storage
 from .planning import RestorePlan, fill, plan_restore
 
+if TYPE_CHECKING:
+    from ..tracking.changes import ChangeTracker
+
 
 def restore(state: Mapping[str, Any], chain_of: Callable[[], list[Manifest]], *, storage: Storage,
             coll: Collective, pool: StagingPool, executor: Executor,
-            on_filled: Callable[[dict[str, torch.Tensor]], None]) -> list[Manifest]:
-    """Fills ``state`` in place from the chain ``chain_of`` returns (called on the coordinator);
-    ``on_filled`` gets the restored tensors by flat key. Returns the chain.
+            tracker: ChangeTracker) -> list[Manifest]:
+    """Fills ``state`` in place from the chain ``chain_of`` returns (called on the coordinator),
+    then resets ``tracker`` to the restored tensors, with the row hashes the reads took on the
+    way (:mod:`deltackpt.io.row_hashes`). Returns the chain.
 
     Raises:
         KeyMismatchError, DtypeMismatchError, ShapeMismatchError: ``state`` does not match what
@@ -43,8 +45,10 @@ def restore(state: Mapping[str, Any], chain_of: Callable[[], list[Manifest]], *,
         raise KeyMismatchError(sorted(set(m.tensors) - set().union(*covered)), [])
 
     def read() -> None:
-        fill(plan, m, ChainReader(storage, chain, pool, executor))
-        on_filled({k: s.local.contiguous() for k, s in statetree.flatten(state).tensors.items()})
+        live = {k: s.local for k, s in statetree.flatten(state).tensors.items()}
+        hashes = fill(plan, m, ChainReader(storage, chain, pool, executor), tracker.row_hashed(live))
+        # Flattened again: loading an optimizer's state replaces its tensors.
+        tracker.reset({k: s.local.contiguous() for k, s in statetree.flatten(state).tensors.items()}, hashes)
 
     coll.all("restore_read", read)
     return chain

@@ -187,9 +187,29 @@ class ChangeTracker:
             found = {}
         return {k: found[k] if k in found else self.hash(t) for k, t in tensors.items()}
 
-    def reset(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Takes ``tensors`` (just restored) as the reference; tracked tables' marks restart."""
-        self._refs = {k: _Reference(t.dtype, tuple(t.shape), self.hash(t)) for k, t in tensors.items()}
+    def row_hashed(self, tensors: Mapping[str, torch.Tensor]) -> set[str]:
+        """The keys of ``tensors`` whose references are a hash per row (the others': per chunk)."""
+        return {k for k, t in tensors.items() if is_row_sparse(t)}
+
+    def reset(self, tensors: dict[str, torch.Tensor],
+              row_hashes: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Takes ``tensors`` (just restored) as the reference; tracked tables' marks restart.
+
+        Args:
+            tensors: the restored tensors by flat key.
+            row_hashes: the hash of every row of some of them, as the restore's reads took it
+                from the rows they wrote (:mod:`deltackpt.io.row_hashes`); the others are hashed
+                here.
+        """
+        given = row_hashes or {}
+
+        def ref(key: str, t: torch.Tensor) -> torch.Tensor:
+            h = given.get(key)
+            if h is not None and key in self.row_hashed({key: t}) and h.shape == (t.shape[0],):
+                return h
+            return self.hash(t)
+
+        self._refs = {k: _Reference(t.dtype, tuple(t.shape), ref(k, t)) for k, t in tensors.items()}
         self._scanned = []
         self.rows.poll()  # marks from before the restore are stale
         for group in self.rows.resolve(tensors):

@@ -31,6 +31,7 @@ from ..layout import chunk_key
 
 if TYPE_CHECKING:
     from ...io.cover import Covers
+    from ...io.row_hashes import RowHashes
     from ...io.staging import StagingPool
     from ...quantization import Rowwise
     from ...sharding import Box
@@ -202,11 +203,13 @@ class Encoding(abc.ABC):
 
     @abc.abstractmethod
     def read(self, source: ChunkSource, m: Manifest, key: str, rec: TensorRecord, part: PartRecord,
-             inter: Box, dest: torch.Tensor, box: Box, covers: Covers | None) -> list[Job]:
+             inter: Box, dest: torch.Tensor, box: Box, covers: Covers | None,
+             hashes: RowHashes | None = None) -> list[Job]:
         """Jobs that write the values ``part`` holds inside ``inter`` into ``dest``, the box
         ``box`` of the tensor: all of them for a base (``covers`` None), else those that no newer
         delta wrote, claimed from ``covers`` (a delta's jobs then run beside every other
-        delta's).
+        delta's). With ``hashes``, each job hashes the whole rows of ``dest`` it wrote into it,
+        and marks those it wrote in part as unknown.
 
         Raises:
             IntegrityError: the part cannot be read this way (a row delta of a 0-d tensor).

@@ -25,6 +25,7 @@ from .base import (
 
 if TYPE_CHECKING:
     from ...io.cover import Covers
+    from ...io.row_hashes import RowHashes
     from ...quantization import Rowwise
     from ...sharding import Box
     from ..manifest import Manifest, PartRecord, TensorRecord
@@ -73,8 +74,11 @@ class Chunks(Encoding):
             sink.put(key, path, chunk_key(c, 1), flat[lo:hi], pad, t.dtype)
 
     def read(self, source: ChunkSource, m: Manifest, key: str, rec: TensorRecord, part: PartRecord,
-             inter: Box, dest: torch.Tensor, box: Box, covers: Covers | None) -> list[Job]:
-        """Reads of the chunks holding elements no newer delta wrote, and their copies."""
+             inter: Box, dest: torch.Tensor, box: Box, covers: Covers | None,
+             hashes: RowHashes | None = None) -> list[Job]:
+        """Reads of the chunks holding elements no newer delta wrote, and their copies; with
+        ``hashes`` (a 1-d ``dest``, a row an element), the elements written are marked unknown
+        (their chunk is not their row)."""
         if covers is None:
             raise IntegrityError(m.step, key, f"a {self.name!r} part is a delta's, not a base's")
         (ce,) = part.chunk_shape
@@ -98,12 +102,17 @@ class Chunks(Encoding):
             free = covers.spans.claim(pstart + a, pstart + b)
             if raw and free == [(pstart + lo, pstart + hi)] and hi - lo == ce:
                 d = (pstart + lo - dstart) * itemsize
-                jobs.append(partial(source.fetch, m, key, part, name, flat[d : d + ce * itemsize]))
+                job: Job = partial(source.fetch, m, key, part, name, flat[d : d + ce * itemsize])
             elif free:
                 pieces = [(flat[(x - dstart) * itemsize : (y - dstart) * itemsize], (x - pstart - lo) * itemsize)
                           for x, y in free]
-                jobs.append(partial(source.staged, m, key, part, name, dest.dtype, ce * itemsize,
-                                    partial(_copy_pieces, pieces)))
+                job = partial(source.staged, m, key, part, name, dest.dtype, ce * itemsize,
+                              partial(_copy_pieces, pieces))
+            else:
+                continue
+            if hashes is not None:
+                job = partial(_unhashed, job, hashes, [slice(x - dstart, y - dstart) for x, y in free])
+            jobs.append(job)
         return jobs
 
     def read_rows(self, source: ChunkSource, m: Manifest, key: str, rec: TensorRecord,
@@ -139,6 +148,14 @@ class Chunks(Encoding):
 def _index(name: str) -> int:
     """The index of chunk ``name`` (``c.<k>``), or -1."""
     return int(name[2:]) if name[:2] == "c." and name[2:].isdigit() else -1
+
+
+def _unhashed(job: Job, hashes: RowHashes, rows: list[slice]) -> None:
+    """Runs a read job, then marks the rows (elements) it wrote as unknown to ``hashes``; in the
+    job, so after the base's phase has hashed them."""
+    job()
+    for r in rows:
+        hashes.lost(r)
 
 
 def _copy_pieces(pieces: list[tuple[torch.Tensor, int]], buf: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ from .base import REGISTRY, Array, ChunkSink, ChunkSource, Encoding, Job, dense_
 
 if TYPE_CHECKING:
     from ...io.cover import Covers
+    from ...io.row_hashes import RowHashes
     from ...quantization import Rowwise
     from ...sharding import Box
     from ..manifest import Manifest, PartRecord, TensorRecord
@@ -98,17 +99,27 @@ class Full(Encoding):
                         hash_into=None if hash_into is None else hash_into[lo:hi], packed=False)
 
     def read(self, source: ChunkSource, m: Manifest, key: str, rec: TensorRecord, part: PartRecord,
-             inter: Box, dest: torch.Tensor, box: Box, covers: Covers | None) -> list[Job]:
+             inter: Box, dest: torch.Tensor, box: Box, covers: Covers | None,
+             hashes: RowHashes | None = None) -> list[Job]:
         """Every row the part holds in ``inter`` (a base's; no delta claims from ``covers``):
         whole raw chunks land straight in ``dest``, the others go through a staging buffer."""
-        dtype = dest.dtype
         if not dest.dim():
             size = dest.element_size()
 
             def scalar(b: torch.Tensor) -> None:
                 dest.view(1).view(torch.uint8).copy_(b[:size])
 
-            return [partial(source.staged, m, key, part, "c", dtype, size, scalar)]
+            return [partial(source.staged, m, key, part, "c", dest.dtype, size, scalar)]
+        jobs = self._reads(source, m, key, part, inter, dest, box)
+        if hashes is None:
+            return [job for job, _, _ in jobs]
+        return [partial(_hashed, job, hashes, dest, rows, whole) for job, rows, whole in jobs]
+
+    def _reads(self, source: ChunkSource, m: Manifest, key: str, part: PartRecord, inter: Box,
+               dest: torch.Tensor, box: Box) -> list[tuple[Job, slice, bool]]:
+        """:meth:`read`'s jobs for a destination with rows, each with the rows of ``dest`` it
+        writes and whether it writes them whole (every column of ``box``)."""
+        dtype = dest.dtype
         prows = part.shape[0]
         cr = part.chunk_shape[0]
         rest = part.shape[1:]
@@ -118,9 +129,10 @@ class Full(Encoding):
         # Columns of the intersection within the part and within the destination.
         src_cols, dst_cols = inter.slices(part.box)[1:], inter.slices(box)[1:]
         same_cols = part.offset[1:] == box.offset[1:] and rest == box.shape[1:]
+        whole_rows = inter.offset[1:] == box.offset[1:] and inter.shape[1:] == box.shape[1:]
         raw = not dtypes.compresses(dtype)
         dest_bytes = dest.reshape(dest.shape[0], -1).view(torch.uint8) if dest.numel() else None
-        jobs: list[Job] = []
+        jobs: list[tuple[Job, slice, bool]] = []
         for i in range(r0 // cr, -(-r1 // cr)):
             lo, hi = i * cr, min(prows, (i + 1) * cr)
             a, b = max(lo, r0), min(hi, r1)
@@ -128,14 +140,15 @@ class Full(Encoding):
             d0 = part.offset[0] + a - box.offset[0]
             if raw and same_cols and (a, b) == (lo, hi) and hi - lo == cr and dest_bytes is not None:
                 target = dest_bytes[d0 : d0 + (b - a)].reshape(-1)
-                jobs.append(partial(source.fetch, m, key, part, name, target))
+                jobs.append((partial(source.fetch, m, key, part, name, target), slice(d0, d0 + b - a), True))
                 continue
 
             def copy(buf: torch.Tensor, lo: int = lo, a: int = a, b: int = b, d0: int = d0) -> None:
                 rows = buf[: cr * row_bytes].view(dtype).view(cr, *rest)
                 dest[(slice(d0, d0 + b - a), *dst_cols)] = rows[(slice(a - lo, b - lo), *src_cols)]
 
-            jobs.append(partial(source.staged, m, key, part, name, dtype, cr * row_bytes, copy))
+            jobs.append((partial(source.staged, m, key, part, name, dtype, cr * row_bytes, copy),
+                         slice(d0, d0 + b - a), whole_rows))
         return jobs
 
     def read_rows(self, source: ChunkSource, m: Manifest, key: str, rec: TensorRecord,
@@ -144,6 +157,15 @@ class Full(Encoding):
 
 
 FULL = REGISTRY[Full.name]
+
+
+def _hashed(job: Job, hashes: RowHashes, dest: torch.Tensor, rows: slice, whole_rows: bool) -> None:
+    """Runs a read job, then hashes the rows of ``dest`` it wrote whole, on the same thread."""
+    job()
+    if whole_rows:
+        hashes.took(rows, dest[rows])
+    else:
+        hashes.lost(rows)
 
 
 def write_block(sink: ChunkSink, key: str, path: str, t: torch.Tensor, chunk_shape: tuple[int, ...],

@@ -25,6 +25,7 @@ from .base import Array, ChunkSink, ChunkSource, Encoding, Job, register, rows_p
 
 if TYPE_CHECKING:
     from ...io.cover import Covers
+    from ...io.row_hashes import RowHashes
     from ...sharding import Box
     from ..lossy import Lossy
     from ..manifest import Manifest, PartRecord, TensorRecord
@@ -152,9 +153,12 @@ class Rows(Encoding):
         return RowChunks("rows", len(rec.shape), cr, cr * row_bytes, dtype, not self.coded(dtype), decode)
 
     def read(self, source: ChunkSource, m: Manifest, key: str, rec: TensorRecord, part: PartRecord,
-             inter: Box, dest: torch.Tensor, box: Box, covers: Covers | None) -> list[Job]:
+             inter: Box, dest: torch.Tensor, box: Box, covers: Covers | None,
+             hashes: RowHashes | None = None) -> list[Job]:
         """Reads of the chunks holding rows no newer delta wrote, and their copies (a quantized
-        delta's kept rows alone decoded); a chunk whose rows newer deltas all wrote is not read."""
+        delta's kept rows alone decoded); a chunk whose rows newer deltas all wrote is not read.
+        With ``hashes``, a row copied into every column of ``box`` is hashed from its decoded
+        value."""
         if covers is None or covers.rows is None:
             raise IntegrityError(m.step, key, f"a {self.name!r} delta of a {dest.dim()}-d tensor")
         rc = self.row_chunks(m, key, rec, part, dest.dtype)
@@ -165,6 +169,8 @@ class Rows(Encoding):
         local = ids[p0:p1] - box.offset[0]
         cells = [(cell.slices(part.box)[1:], cell.slices(box)[1:], keep)
                  for cell, keep in covers.rows.claim(inter, local)]
+        # A cell as wide as the box writes whole rows of dest.
+        whole = len(cells) == 1 and cells[0][1] == tuple(slice(0, n) for n in box.shape[1:])
         cr = rc.rows
         jobs: list[Job] = []
         for j in range(p0 // cr, -(-p1 // cr)):
@@ -183,7 +189,12 @@ class Rows(Encoding):
             def copy(buf: torch.Tensor, picks: list[tuple[tuple[slice, ...], tuple[slice, ...], Index,
                                                           torch.Tensor]] = picks) -> None:
                 for src, dst, at, rows_at in picks:
-                    dest[(slice(None), *dst)].index_copy_(0, rows_at, rc.decode(buf, at)[(slice(None), *src)])
+                    rows = rc.decode(buf, at)[(slice(None), *src)]
+                    dest[(slice(None), *dst)].index_copy_(0, rows_at, rows)
+                    if hashes is not None and whole:
+                        hashes.took(rows_at, rows)
+                    elif hashes is not None:
+                        hashes.lost(rows_at)
 
             jobs.append(partial(source.staged, m, key, part, rc.name(j), rc.dtype, rc.nbytes, copy,
                                 uncoded=rc.uncoded))
