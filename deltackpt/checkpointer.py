@@ -83,6 +83,8 @@ class Checkpointer:
         storage_options: settings for the backend ``path`` names (see
             :func:`~deltackpt.storage.open_storage`).
         quantize: opt-in lossy deltas, ``{fnmatch pattern: Rowwise(...)}`` (:mod:`.quantization`).
+        aligned: ``{flat key: its table's flat key}`` of 1-d tensors with a value per row of a table
+            (row-wise optimizer state in a dict): deltas write their changed values as rows.
 
     Example:
         >>> import tempfile, torch
@@ -113,6 +115,7 @@ class Checkpointer:
         lease_ttl: float = DEFAULT_TTL,
         storage_options: Mapping[str, Any] | None = None,
         quantize: Mapping[str, Rule] | None = None,
+        aligned: Mapping[str, str] | None = None,
     ):
         threads = torch.get_num_threads() if threads is None else threads
         for name, value in (("chunk_bytes", chunk_bytes), ("dense_chunk_bytes", dense_chunk_bytes),
@@ -136,7 +139,7 @@ class Checkpointer:
         self._pool = StagingPool(memory_budget // chunk_bytes, chunk_bytes, pin=torch.cuda.is_available())
         workers = min(io_threads, threads)
         self._executor = started_pool(workers, "deltackpt-io")
-        self._tracker = ChangeTracker(dense_chunk_bytes, Hasher(self._executor, workers))
+        self._tracker = ChangeTracker(dense_chunk_bytes, Hasher(self._executor, workers), aligned)
         self._saver = Saver(self.store, self._coll, self.policy, self._tracker, self._pool,
                             self._executor, self._sizes, self._quantize, take_over=take_over,
                             lease_ttl=lease_ttl)
@@ -260,10 +263,9 @@ class Checkpointer:
         a step saved on N ranks restores on any M. Tensors, Shards and DTensors are filled in
         place; modules get their parameters and buffers filled in place; other objects with
         ``load_state_dict`` (optimizers) are loaded from the saved state; plain values are
-        replaced in their dicts and lists. Afterwards the next save can be a delta against ``step``.
-
-        On several ranks, a rank may hold only some tensors (table-wise sharding); together the
-        ranks must hold every saved tensor.
+        replaced in their dicts and lists. Afterwards the next save can be a delta against ``step``
+        (the reads hash the rows they restore for it). On several ranks, a rank may hold only
+        some tensors (table-wise sharding); together the ranks must hold every saved tensor.
 
         Returns:
             The step restored.

@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..sharding import Box
@@ -87,6 +88,28 @@ class SpanCover:
         return free
 
 
+class RowSpans:
+    """Element spans of a 1-d destination claimed through its :class:`RowCover`: a 1-d tensor's
+    rows are its elements, so its row deltas (row-aligned state) and dense deltas (chunks) of
+    one chain claim from one cover.
+
+    Args:
+        rows: the destination's row cover.
+        start: the destination's first element.
+    """
+
+    def __init__(self, rows: RowCover, start: int):
+        self._rows = rows
+        self._start = start
+
+    def claim(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """As :meth:`SpanCover.claim`."""
+        box = Box((start,), (stop - start,))
+        ((_, keep),) = self._rows.claim(box, torch.arange(start - self._start, stop - self._start))
+        edges = np.flatnonzero(np.diff(np.concatenate(([False], keep.numpy(), [False])).astype(np.int8)))
+        return [(start + int(a), start + int(b)) for a, b in zip(edges[::2], edges[1::2])]
+
+
 @dataclass(frozen=True)
 class Covers:
     """What newer deltas wrote, for one replay into one box: rows (None for a 0-d box) and
@@ -94,4 +117,12 @@ class Covers:
     :attr:`deltackpt.format.encodings.Encoding.claims`)."""
 
     rows: RowCover | None
-    spans: SpanCover
+    spans: SpanCover | RowSpans
+
+    @classmethod
+    def of(cls, box: Box, parts: Iterable[Box]) -> Covers:
+        """The covers of a replay into ``box`` by deltas whose parts are ``parts``."""
+        if not box.shape:
+            return cls(None, SpanCover())
+        rows = RowCover(box, parts)
+        return cls(rows, RowSpans(rows, box.offset[0]) if len(box.shape) == 1 else SpanCover())

@@ -29,7 +29,7 @@ from ..format.manifest import Manifest, PartRecord, TensorRecord
 from ..format.zarr_meta import codec_for
 from ..sharding import Box
 from ..storage import Storage
-from .cover import Covers, RowCover, SpanCover
+from .cover import Covers
 from .fetch import fetch, stored_size
 from .row_hashes import RowHashes
 from .staging import StagingPool
@@ -107,10 +107,11 @@ class ChainReader:
         deltas.reverse()
         hits = [(m, rec, part, inter) for m, rec in deltas for part in rec.parts
                 for inter in [part.box.intersect(box)] if inter is not None and inter.numel]
-        if len({rec.encoding.claims for _, rec, _, _ in hits}) > 1:
+        # A 1-d tensor's rows are its elements: its row and dense deltas claim from one cover.
+        if len({rec.encoding.claims for _, rec, _, _ in hits}) > 1 and dest.dim() != 1:
             raise IntegrityError(self._chain[-1].step, key, "dense and row deltas mixed along the chain")
         self.run([partial(self.ids, m, key, part) for m, rec, part, _ in hits if rec.encoding.claims == "rows"])
-        covers = Covers(RowCover(box, [part.box for _, _, part, _ in hits]) if dest.dim() else None, SpanCover())
+        covers = Covers.of(box, [part.box for _, _, part, _ in hits])
         jobs = [job for m, rec, part, inter in hits
                 for job in rec.encoding.read(self, m, key, rec, part, inter, dest, box, covers, hashes)]
         if base is not None:

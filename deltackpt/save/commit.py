@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from ..collector import paused
@@ -34,11 +34,12 @@ from .types import Kind, SavePlan, WriteResult
 def build_manifest(save: SavePlan, plan: GlobalPlan, changed: Mapping[tuple[str, str], int],
                    results: list[WriteResult], *, head: Manifest | None, world_size: int,
                    policy: dict[str, Any], sizes: tuple[int, int],
-                   restores: int | None = None) -> Manifest:
+                   restores: int | None = None, aligned: Collection[str] = ()) -> Manifest:
     """The commit record of a save: every part of ``plan``, holding ``changed`` rows or chunks
     (by tensor key and part path), with the chunks every rank wrote for it, and the files of
     every pack; each lossy tensor's scheme and bounds, and with ``restores`` (the checkpointer
-    has ``quantize=``) the quantization decisions, in a format-5 record."""
+    has ``quantize=``) the quantization decisions, in a format-5 record. ``aligned``: the 1-d
+    tensors whose changes are rows (see :class:`~deltackpt.save.scan.PartScan`)."""
     step, kind, attempt = save.step, save.kind, save.attempt
     files: dict[tuple[str, str], ChunkMap] = {}
     packs: dict[str, ChunkMap] = {}
@@ -52,7 +53,7 @@ def build_manifest(save: SavePlan, plan: GlobalPlan, changed: Mapping[tuple[str,
     tensors = {}
     for t in plan.tensors.values():
         rule = save.quantize[t.key].rule if t.key in save.quantize else None
-        enc = choose(kind, t.global_shape, rule is not None)
+        enc = choose(kind, t.global_shape, rule is not None, t.key in aligned)
         parts = tuple(
             PartRecord(p.box.offset, p.box.shape, p.path, cs,
                        changed[(t.key, p.path)], chunks,
@@ -107,7 +108,7 @@ def lossy_record(kind: Kind, key: str, head: Manifest | None, rule: Rowwise | No
 def commit(store: Store, save: SavePlan, plan: GlobalPlan, changed: Mapping[tuple[str, str], int],
            results: list[WriteResult], *, head: Manifest | None, world_size: int, policy: str,
            sizes: tuple[int, int], lease: Holding | None,
-           restores: int | None = None) -> Manifest | None:
+           restores: int | None = None, aligned: Collection[str] = ()) -> Manifest | None:
     """Coordinator: the commit record from every rank's files (see :func:`build_manifest`),
     created only if absent while ``lease`` holds, and kept only if ``lease`` still holds and the
     parent is still there once the record exists. None when the parent was gone (nothing is committed then).
@@ -120,7 +121,7 @@ def commit(store: Store, save: SavePlan, plan: GlobalPlan, changed: Mapping[tupl
     manifest = build_manifest(
         save, plan, changed, results, head=head, world_size=world_size,
         policy={"name": policy, "decision": str(save.kind), "reason": save.reason}, sizes=sizes,
-        restores=restores)
+        restores=restores, aligned=aligned)
     if lease is None:
         raise StepExistsError(f"step {save.step}: the coordinator holds no writer lease")
     lease.check()

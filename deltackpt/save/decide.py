@@ -9,6 +9,7 @@ from concurrent.futures import Future
 
 import torch
 
+from ..errors import StateError
 from ..format import dtypes
 from ..format.manifest import Manifest
 from ..policy import BasePolicy, ChainState
@@ -32,6 +33,10 @@ def decide(policy: BasePolicy, head: Manifest | None, chain: ChainState, plan: G
     Without ``store`` and ``published`` (a simulation of the control plane) neither happens."""
     if published is not None:
         published.result()
+    split = {s.key for s in scans if s.aligned} & {s.key for s in scans if not s.aligned}
+    if split:
+        raise StateError(f"{sorted(split)[0]}: aligned with a table's rows on some ranks, not on "
+                         "others; declare it aligned (Checkpointer(aligned=...)) on every rank")
     kind: Kind
     if head is not None and store is not None and not store.holds(head.step, head.attempt):
         kind, reason = Kind.BASE, (f"step {head.step}, which the delta would apply to, is gone "

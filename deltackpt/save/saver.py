@@ -163,7 +163,8 @@ class Saver:
         manifest = commit(
             self.store, save, plan, counts(save.kind, plan.parts(), scans), results, head=self._head,
             world_size=self._coll.size, sizes=self._sizes, policy=self.policy.name,
-            lease=self._lease.holding, restores=self._quantize.recorded_restores)
+            lease=self._lease.holding, restores=self._quantize.recorded_restores,
+            aligned={s.key for s in scans if s.aligned})
         if manifest is None:
             parent, self._head = self._head, None
             raise BrokenChainError(save.step, parent.step if parent is not None else -1,

@@ -24,6 +24,8 @@ class PartScan:
         complete: False when there is nothing to compare with: the part must be written whole.
         changed: rows (row-sparse tensors) or chunks (dense ones) changed.
         delta_bytes: what a delta of them writes, about.
+        aligned: a 1-d tensor whose changes are its elements, as rows (see
+            :meth:`~deltackpt.tracking.changes.ChangeTracker.aligned`).
     """
 
     key: str
@@ -31,6 +33,7 @@ class PartScan:
     complete: bool
     changed: int
     delta_bytes: int
+    aligned: bool = False
 
 
 def summarize(key: str, path: str, t: torch.Tensor, change: TensorChange,
@@ -38,15 +41,15 @@ def summarize(key: str, path: str, t: torch.Tensor, change: TensorChange,
     """The scan of one part; ``chunk_elems`` gives a dense tensor's elements per chunk (asked
     only of a changed one: most parts of a delta of many tensors are unchanged)."""
     if change.changed is None:
-        return PartScan(key, path, False, 0, 0)
+        return PartScan(key, path, False, 0, 0, change.aligned)
     n = change.changed.numel()
     if not n:
-        return PartScan(key, path, True, 0, 0)
+        return PartScan(key, path, True, 0, 0, change.aligned)
     if rule is not None:  # a quantized delta's rows, so the policy weighs what it will write
         return PartScan(key, path, True, n,
                         n * (rowwise.row_bytes(t[0].numel(), rule.bits, rule.scale_dtype) + 8))
-    if is_row_sparse(t):
-        return PartScan(key, path, True, n, n * (math.prod(t.shape[1:]) * t.element_size() + 8))
+    if is_row_sparse(t) or change.aligned:
+        return PartScan(key, path, True, n, n * (math.prod(t.shape[1:]) * t.element_size() + 8), change.aligned)
     return PartScan(key, path, True, n, n * chunk_elems(t) * t.element_size())
 
 

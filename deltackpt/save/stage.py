@@ -62,7 +62,7 @@ def stage_part(writer: StepWriter, kind: Kind, item: WriteItem, change: TensorCh
     t, part = item.tensor, item.part
     if kind == Kind.DELTA and not n:  # nothing changed: nothing to stage
         return replace(change, hashes=NO_IDS) if change.partial and change.hashes is None else change
-    enc = choose(kind, tuple(t.shape), rule is not None)
+    enc = choose(kind, tuple(t.shape), rule is not None, change.aligned)
     cs = enc.chunk_shape(part.box.shape, t.element_size(), n, sizes, rule)
     if enc.whole:
         # A base's row hashes, where the scan left them to the save, come from the staged copies,

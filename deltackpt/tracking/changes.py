@@ -2,15 +2,19 @@
 from content hashes everywhere else.
 
 Tensors with two or more dimensions are row-sparse: their change set is a sorted list of row ids
-(along dimension 0). Others (0-d, 1-d) are dense: their change set lists fixed-size chunks of
-their bytes. Both are found one of two ways:
+(along dimension 0). So is a 1-d tensor aligned with a table's rows (one value per row: a
+row-wise Adagrad sum), whose rows are its elements (declared, or inferred for a tracked table's
+optimizer state: :meth:`~deltackpt.tracking.rows.RowTracker.aligned`), so it rides with the
+table's rows. Others (0-d,
+1-d) are dense: their change set lists fixed-size chunks of their bytes. Both are found one of
+two ways:
 
 * Hashes: a 64-bit hash per row or chunk, compared with the hashes of the last commit. Hashes
   compare bits, so a row holding the same NaN payload is unchanged and ``-0.0`` differs from
   ``0.0``. A change goes unseen only on an XXH64 collision (about 2^-64 per changed row or chunk).
 * Marks (:mod:`deltackpt.tracking.rows`): for a tracked table and its aligned optimizer state, the
   rows its lookups marked since the last commit, with no pass over the table. The hashes of those
-  rows (or of the chunks holding them, for 1-D state) are recomputed, so the last commit's hashes
+  rows (or of the chunks holding them, for dense state) are recomputed, so the last commit's hashes
   stay current at O(changed) cost: a delta's writer hashes them from the copies it writes
   (:func:`deltackpt.save.phases.write_part`), and :meth:`ChangeTracker.adopt` hashes whatever no
   writer did. Each such save also re-hashes a
@@ -25,7 +29,8 @@ their bytes. Both are found one of two ways:
 A table's marks become its change set only once they cover everything since the last commit: its
 first save after tracking starts (or after it was resized) hashes it and starts recording, and a
 restore restarts the marks from the restored state. Marks are dropped only when the save that
-used them commits; those of a failed save go into the next one.
+used them commits; those of a failed save go into the next one. After a restore, the references
+are the row hashes the restore's reads took from the rows they wrote (:mod:`deltackpt.io.row_hashes`).
 """
 
 from __future__ import annotations
@@ -71,11 +76,14 @@ class TensorChange:
             is None: the base that writes the tensor whole hashes it as it writes (see
             :meth:`ChangeTracker.hash_whole`).
         partial: whether ``hashes`` covers ``changed`` only (a change set found from marks).
+        aligned: a 1-d tensor aligned with a table's rows, whose units are its elements (rows)
+            rather than chunks (see :meth:`~deltackpt.tracking.rows.RowTracker.aligned`).
     """
 
     changed: torch.Tensor | None
     hashes: torch.Tensor | None
     partial: bool = False
+    aligned: bool = False
 
 
 @dataclass
@@ -83,9 +91,10 @@ class _Reference:
     dtype: torch.dtype
     shape: tuple[int, ...]
     hashes: torch.Tensor  # CPU int64, one per row or chunk
+    by_rows: bool
 
-    def matches(self, t: torch.Tensor) -> bool:
-        return self.dtype == t.dtype and self.shape == tuple(t.shape)
+    def matches(self, t: torch.Tensor, by_rows: bool) -> bool:
+        return self.dtype == t.dtype and self.shape == tuple(t.shape) and self.by_rows == by_rows
 
 
 class ChangeTracker:
@@ -97,16 +106,20 @@ class ChangeTracker:
     Args:
         dense_chunk_bytes: chunk size for dense tensors' hashes and delta chunks.
         hasher: where hashes are computed; default: on the calling thread.
+        aligned: 1-d tensors declared aligned with a table's rows, by flat key, each with its
+            table's flat key (see :meth:`RowTracker.aligned`).
 
     Attributes:
         rows: the tracked tables; ``Checkpointer.track`` and ``Checkpointer.mark`` feed it.
     """
 
-    def __init__(self, dense_chunk_bytes: int, hasher: Hasher | None = None):
+    def __init__(self, dense_chunk_bytes: int, hasher: Hasher | None = None,
+                 aligned: Mapping[str, str] | None = None):
         self.dense_chunk_bytes = dense_chunk_bytes
         self.hasher = hasher if hasher is not None else Hasher()
-        self.rows = RowTracker()
+        self.rows = RowTracker(aligned)
         self._refs: dict[str, _Reference] = {}
+        self._aligned: set[str] = set()  # the aligned keys of the last scan or restore
         self._scanned: list[TrackedTable] = []  # tables of the last scan, for adopt
         self._audited: set[int] = set()  # ids of the tables the last scan audited
 
@@ -114,15 +127,17 @@ class ChangeTracker:
         """Elements per dense chunk of ``t``, as its delta's chunks are stored."""
         return dense_chunk_elems(t.numel(), t.element_size(), self.dense_chunk_bytes)
 
-    def hash(self, t: torch.Tensor) -> torch.Tensor:
-        """Every row's or chunk's hash of ``t``, on the CPU."""
-        if is_row_sparse(t):
-            return self.hasher.rows(t)
+    def hash(self, t: torch.Tensor, by_rows: bool) -> torch.Tensor:
+        """Every row's (``by_rows``; a 1-d tensor's rows are its elements) or chunk's hash of
+        ``t``, on the CPU."""
+        if by_rows:
+            return self.hasher.rows(t if t.dim() >= 2 else t.view(-1, 1))
         return self.hasher.chunks(t, self.chunk_elems(t) * t.element_size())
 
-    def keys(self) -> set[str]:
-        """Keys of the tensors the last commit (or restore) hashed."""
-        return set(self._refs)
+    def by_rows(self, key: str, t: torch.Tensor) -> bool:
+        """Whether ``t``'s changes are rows (else dense chunks): it has two dimensions or more,
+        or is aligned with a table's rows."""
+        return is_row_sparse(t) or key in self._aligned
 
     # -- the three entry points -----------------------------------------------------------------
 
@@ -133,7 +148,9 @@ class ChangeTracker:
         self._scanned = []
         self._audited = set()
         self.rows.poll()
-        for group in self.rows.resolve(tensors):
+        groups = self.rows.resolve(tensors)
+        self._aligned = self.rows.aligned(tensors, groups)
+        for group in groups:
             out.update(self._scan_group(group, tensors))
             self._scanned.append(group.table)
         out.update(self._scan_all({k: t for k, t in tensors.items() if k not in out}))
@@ -149,13 +166,14 @@ class ChangeTracker:
             ch = changes[key]
             if ch.partial and ch.changed is not None:
                 ref = self._refs[key]
-                hashes = ch.hashes if ch.hashes is not None else self._hash_units(t, ch.changed)
+                hashes = ch.hashes if ch.hashes is not None else self._hash_units(key, t, ch.changed)
                 # numpy, on this thread: torch's index_put wakes its thread pool, slow on a busy node
                 ref.hashes.numpy()[ch.changed.cpu().numpy()] = hashes.numpy()
                 refs[key] = ref
             else:
+                by_rows = self.by_rows(key, t)
                 refs[key] = _Reference(t.dtype, tuple(t.shape),
-                                       ch.hashes if ch.hashes is not None else self.hash(t))
+                                       ch.hashes if ch.hashes is not None else self.hash(t, by_rows), by_rows)
         self._refs = refs
         for table in self._scanned:
             marked = table.mode is TableMode.ON and id(table) not in self._audited
@@ -171,13 +189,15 @@ class ChangeTracker:
         no change to the next audit). Call it once the base is staged, before the training
         changes the tensors again."""
         hashes = self.hash_many({k: tensors[k] for k, ch in changes.items() if ch.partial or ch.hashes is None})
-        return {k: TensorChange(ch.changed, hashes[k]) if k in hashes else ch for k, ch in changes.items()}
+        return {k: TensorChange(ch.changed, hashes[k], aligned=ch.aligned) if k in hashes else ch
+                for k, ch in changes.items()}
 
     def hash_many(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """:meth:`hash` of every tensor; the small CPU ones all in one call on the calling thread
+        """:meth:`hash` of every tensor (by key: by rows or chunks as :meth:`by_rows` says); the
+        small CPU ones all in one call on the calling thread
         (:func:`deltackpt.kernels.hash_segments`): a state of thousands of tiny tensors costs
         one call, not thousands, and wakes no thread."""
-        pieces = {k: p for k, t in tensors.items() if (p := self._piece(t))}
+        pieces = {k: p for k, t in tensors.items() if (p := self._piece(t, self.by_rows(k, t)))}
         if pieces:
             small = [tensors[k] for k in pieces]
             batch = kernels.hash_segments(small, list(pieces.values())).split(
@@ -185,11 +205,12 @@ class ChangeTracker:
             found = dict(zip(pieces, batch))
         else:
             found = {}
-        return {k: found[k] if k in found else self.hash(t) for k, t in tensors.items()}
+        return {k: found[k] if k in found else self.hash(t, self.by_rows(k, t)) for k, t in tensors.items()}
 
     def row_hashed(self, tensors: Mapping[str, torch.Tensor]) -> set[str]:
         """The keys of ``tensors`` whose references are a hash per row (the others': per chunk)."""
-        return {k for k, t in tensors.items() if is_row_sparse(t)}
+        self._aligned = self.rows.aligned(tensors, self.rows.resolve(tensors))
+        return {k for k, t in tensors.items() if self.by_rows(k, t)}
 
     def reset(self, tensors: dict[str, torch.Tensor],
               row_hashes: Mapping[str, torch.Tensor] | None = None) -> None:
@@ -202,29 +223,32 @@ class ChangeTracker:
                 here.
         """
         given = row_hashes or {}
-
-        def ref(key: str, t: torch.Tensor) -> torch.Tensor:
-            h = given.get(key)
-            if h is not None and key in self.row_hashed({key: t}) and h.shape == (t.shape[0],):
-                return h
-            return self.hash(t)
-
-        self._refs = {k: _Reference(t.dtype, tuple(t.shape), ref(k, t)) for k, t in tensors.items()}
         self._scanned = []
         self.rows.poll()  # marks from before the restore are stale
-        for group in self.rows.resolve(tensors):
+        groups = self.rows.resolve(tensors)
+        self._aligned = self.rows.aligned(tensors, groups)
+
+        def ref(key: str, t: torch.Tensor) -> _Reference:
+            by_rows = self.by_rows(key, t)
+            h = given.get(key)
+            if h is None or not by_rows or h.shape != (t.shape[0],):
+                h = self.hash(t, by_rows)
+            return _Reference(t.dtype, tuple(t.shape), h, by_rows)
+
+        self._refs = {k: ref(k, t) for k, t in tensors.items()}
+        for group in groups:
             group.table.deltas_since_audit = 0
             group.table.restored(group.rows, tensors[group.keys[0]].device)
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _piece(self, t: torch.Tensor) -> int:
-        """The bytes of ``t``'s rows (or of its chunks) if it is small enough to be hashed with
-        others (see :meth:`hash_many`), else 0."""
+    def _piece(self, t: torch.Tensor, by_rows: bool) -> int:
+        """The bytes of ``t``'s rows (``by_rows``) or of its chunks if it is small enough to be
+        hashed with others (see :meth:`hash_many`), else 0."""
         n = t.nbytes
         if not n or n > SMALL_TENSOR_BYTES or not t.is_cpu or not t.is_contiguous():
             return 0
-        if t.dim() >= 2:
+        if by_rows:
             return n // t.shape[0]
         chunk = self.chunk_elems(t) * t.element_size()
         return n if n <= chunk else chunk if not n % chunk else 0
@@ -236,8 +260,8 @@ class ChangeTracker:
         known = {}
         for key, t in tensors.items():
             ref = self._refs.get(key)
-            if ref is None or not ref.matches(t):
-                out[key] = TensorChange(None, None)
+            if ref is None or not ref.matches(t, self.by_rows(key, t)):
+                out[key] = TensorChange(None, None, aligned=self._aligned_1d(key, t))
             else:
                 known[key] = t
         hashes = self.hash_many(known)
@@ -249,15 +273,21 @@ class ChangeTracker:
             changed = set(where.tolist())
             for i, (key, h) in enumerate(hashes.items()):
                 out[key] = TensorChange((h != self._refs[key].hashes).nonzero().flatten()
-                                        if i in changed else NO_IDS, h)
+                                        if i in changed else NO_IDS, h, aligned=self._aligned_1d(key, tensors[key]))
         return {k: out[k] for k in tensors}
 
+    def _aligned_1d(self, key: str, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a 1-d tensor whose changes are rows (see :meth:`RowTracker.aligned`)."""
+        return t.dim() == 1 and key in self._aligned
+
     def _scan_hashes(self, key: str, t: torch.Tensor) -> TensorChange:
+        by_rows = self.by_rows(key, t)
+        aligned = self._aligned_1d(key, t)
         ref = self._refs.get(key)
-        if ref is None or not ref.matches(t):
-            return TensorChange(None, None)
-        h = self.hash(t)
-        return TensorChange((h != ref.hashes).nonzero().flatten(), h)
+        if ref is None or not ref.matches(t, by_rows):
+            return TensorChange(None, None, aligned=aligned)
+        h = self.hash(t, by_rows)
+        return TensorChange((h != ref.hashes).nonzero().flatten(), h, aligned=aligned)
 
     def _scan_group(
         self, group: TrackedGroup, tensors: dict[str, torch.Tensor]
@@ -289,7 +319,7 @@ class ChangeTracker:
         self._audited.add(id(table))
         out = {k: self._scan_hashes(k, t) for k, t in members.items()}
         missed = [k for k, ch in out.items() if ch.changed is not None and bool(
-            (~torch.isin(ch.changed, self._units(members[k], ids))).any())]
+            (~torch.isin(ch.changed, self._units(k, members[k], ids))).any())]
         if missed:
             log.warning(
                 "tracked table %r: the audit found %s changed in rows that no lookup marked "
@@ -300,10 +330,12 @@ class ChangeTracker:
         return out
 
     def _from_marks(self, key: str, t: torch.Tensor, ids: torch.Tensor) -> TensorChange:
+        by_rows = self.by_rows(key, t)
+        aligned = self._aligned_1d(key, t)
         ref = self._refs.get(key)
-        if ref is None or not ref.matches(t):
-            return TensorChange(None, None)
-        return TensorChange(self._units(t, ids), None, partial=True)
+        if ref is None or not ref.matches(t, by_rows):
+            return TensorChange(None, None, aligned=aligned)
+        return TensorChange(self._units(key, t, ids), None, partial=True, aligned=aligned)
 
     def _canary(
         self, group: TrackedGroup, members: dict[str, torch.Tensor], ids: torch.Tensor
@@ -319,30 +351,32 @@ class ChangeTracker:
             sample = sample[ids.cpu()[at] != sample]
         missed = []
         for key, t in members.items():
+            by_rows = self.by_rows(key, t)
             ref = self._refs.get(key)
-            if ref is None or not ref.matches(t):
+            if ref is None or not ref.matches(t, by_rows):
                 continue
-            units = self._units(t, sample)
-            if not is_row_sparse(t) and units.numel():
+            units = self._units(key, t, sample)
+            if not by_rows and units.numel():
                 # A chunk holding a marked row has changed legitimately; only whole-unmarked
                 # chunks can be checked.
-                units = units[~torch.isin(units, self._units(t, ids))]
-            if units.numel() and not torch.equal(self._hash_units(t, units), ref.hashes[units]):
+                units = units[~torch.isin(units, self._units(key, t, ids))]
+            if units.numel() and not torch.equal(self._hash_units(key, t, units), ref.hashes[units]):
                 missed.append(key)
         return missed
 
-    def _units(self, t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def _units(self, key: str, t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The rows, or for a dense tensor the sorted unique chunks holding them."""
-        if is_row_sparse(t):
+        if self.by_rows(key, t):
             return rows
         return torch.unique(rows // self.chunk_elems(t))
 
-    def _hash_units(self, t: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
+    def _hash_units(self, key: str, t: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
         """Hashes of rows or chunks ``units`` of ``t``, computed on ``t``'s device, on the CPU."""
         if not units.numel():
             return torch.empty(0, dtype=torch.int64)
-        if is_row_sparse(t):
-            return self.hasher.rows(kernels.gather_rows(t, units.to(t.device)))
+        if self.by_rows(key, t):
+            rows = t if t.dim() >= 2 else t.view(-1, 1)
+            return self.hasher.rows(kernels.gather_rows(rows, units.to(t.device)))
         # A chunk's hash is the hash of its bytes, so whole chunks hash as the rows of a
         # (chunks, chunk_elems) view; the short last chunk, if any, on its own.
         ce = self.chunk_elems(t)

@@ -86,9 +86,19 @@ class TrackHandle:
 
 
 class RowTracker:
-    """The tracked tables of one checkpointer, by flat key."""
+    """The tracked tables of one checkpointer, by flat key.
 
-    def __init__(self) -> None:
+    Args:
+        declared: 1-d tensors declared aligned with a table's rows, by flat key, each with its
+            table's flat key: they share the table's marks when it has them.
+    """
+
+    def __init__(self, declared: Mapping[str, str] | None = None) -> None:
+        self.declared = dict(declared or {})
+        for key, table in self.declared.items():
+            if not isinstance(key, str) or not isinstance(table, str) or key == table:
+                raise StateError(f"aligned: {key!r} -> {table!r} must map a tensor's flat key to "
+                                 "another tensor's (its table's)")
         self._tables: dict[str, TrackedTable] = {}  # by each of its keys
         self._hooks: dict[int, RemovableHandle] = {}  # by id() of the hooked module
         self._params: dict[str, tuple[torch.Tensor, tuple[torch.optim.Optimizer, str] | None]] = {}
@@ -261,12 +271,40 @@ class RowTracker:
                 index = _param_index(opt, t.param)
                 for k in aligned.get((opt_prefix, index), []) if index is not None else []:
                     s = tensors[k]
-                    if s.dim() >= 1 and s.shape[0] == table.shape[0] and (
-                        s.dim() == 1 or s.shape == table.shape
-                    ):
+                    # A 1-d state of a table with as many columns as rows may be per column
+                    # (Adafactor's factors): not inferred, it can be declared.
+                    if s.shape == table.shape or s.dim() == 1 and s.shape[0] == table.shape[0] and (
+                            table.shape[0] not in table.shape[1:]):
                         members.append(k)
+            members += [k for k, tab in self.declared.items() if tab in present and k in tensors
+                        and k not in members]
             groups.append(TrackedGroup(t, tuple(members), table.shape[0]))
         return groups
+
+    def aligned(self, tensors: Mapping[str, torch.Tensor], groups: list[TrackedGroup]) -> set[str]:
+        """The 1-d tensors of ``tensors`` aligned with a table's rows, whose changes are their
+        elements, as the table's are its rows: those declared (checked against their tables),
+        and the 1-d optimizer state a tracked table shares its marks with (``groups``).
+
+        Raises:
+            StateError: a declared tensor is not 1-d, or its table (when present) has not two
+                dimensions or more and as many rows as it has values.
+        """
+        out = {k for g in groups for k in g.keys if tensors[k].dim() == 1}
+        for key, table in self.declared.items():
+            t, tab = tensors.get(key), tensors.get(table)
+            if t is None:
+                continue
+            if t.dim() != 1 or tab is not None and (tab.dim() < 2 or tab.shape[0] != t.shape[0]):
+                raise StateError(f"{key}: declared aligned with {table!r}, but it has shape {list(t.shape)} "
+                                 f"and the table {list(tab.shape) if tab is not None else 'is absent'}; an "
+                                 "aligned tensor is 1-d, with one value per row of a table of 2 or more dimensions")
+            out.add(key)
+        return out
+
+    def keys(self) -> set[str]:
+        """Keys of the tensors the last commit (or restore) hashed."""
+        return set(self._refs)
 
     # -- internals ------------------------------------------------------------------------------
 

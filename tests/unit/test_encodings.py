@@ -128,7 +128,7 @@ class RawRows(encodings.Rows):
 
     name = "rawrows"
 
-    def chosen(self, kind, shape, quantized):
+    def chosen(self, kind, shape, quantized, aligned):
         return kind == "delta" and not quantized and len(shape) >= 2
 
     def coded(self, dtype):

@@ -12,6 +12,8 @@ Example:
     >>> from deltackpt.format import encodings
     >>> encodings.choose("delta", (100, 8), False), encodings.choose("base", (), False)
     ('rows', 'full')
+    >>> encodings.choose("delta", (100,), False), encodings.choose("delta", (100,), False, aligned=True)
+    ('chunks', 'rows')
 """
 
 from __future__ import annotations
@@ -158,9 +160,10 @@ class Encoding(abc.ABC):
     # -- choosing and describing ------------------------------------------------------------------
 
     @abc.abstractmethod
-    def chosen(self, kind: str, shape: tuple[int, ...], quantized: bool) -> bool:
+    def chosen(self, kind: str, shape: tuple[int, ...], quantized: bool, aligned: bool) -> bool:
         """Whether a tensor of ``shape`` may be stored this way in a step of ``kind`` (``"base"``
-        or ``"delta"``); ``quantized``: a quantization rule names the tensor."""
+        or ``"delta"``); ``quantized``: a quantization rule names the tensor; ``aligned``: a 1-d
+        tensor with one value per row of a table, whose changes are rows (its elements)."""
 
     @abc.abstractmethod
     def chunk_shape(self, shape: tuple[int, ...], itemsize: int, changed: int,
@@ -266,15 +269,15 @@ def get(name: str, where: str = "record") -> Encoding:
     return enc
 
 
-def choose(kind: str, shape: tuple[int, ...], quantized: bool) -> Encoding:
+def choose(kind: str, shape: tuple[int, ...], quantized: bool, aligned: bool = False) -> Encoding:
     """The encoding a save stores a tensor of ``shape`` in, in a step of ``kind``: the last
-    registered one that accepts it.
+    registered one that accepts it (see :meth:`Encoding.chosen`).
 
     Raises:
         StateError: none does.
     """
     for enc in reversed(REGISTRY.values()):
-        if enc.chosen(kind, shape, quantized):
+        if enc.chosen(kind, shape, quantized, aligned):
             return enc
     raise StateError(f"no encoding stores a tensor of shape {list(shape)} in a {kind}"
                      f"{' quantized' if quantized else ''}")

@@ -40,8 +40,8 @@ class Chunks(Encoding):
     sparse = True
     claims = "spans"
 
-    def chosen(self, kind: str, shape: tuple[int, ...], quantized: bool) -> bool:
-        return kind == "delta" and not quantized and len(shape) < 2
+    def chosen(self, kind: str, shape: tuple[int, ...], quantized: bool, aligned: bool) -> bool:
+        return kind == "delta" and not quantized and len(shape) < 2 and not (aligned and len(shape) == 1)
 
     def chunk_shape(self, shape: tuple[int, ...], itemsize: int, changed: int,
                     sizes: tuple[int, int], rule: Rowwise | None) -> tuple[int, ...]:

@@ -48,7 +48,7 @@ class Full(Encoding):
     name = "full"
     whole = True
 
-    def chosen(self, kind: str, shape: tuple[int, ...], quantized: bool) -> bool:
+    def chosen(self, kind: str, shape: tuple[int, ...], quantized: bool, aligned: bool) -> bool:
         return kind == "base"
 
     def chunk_shape(self, shape: tuple[int, ...], itemsize: int, changed: int,

@@ -61,14 +61,15 @@ class RowChunks:
 
 @register
 class Rows(Encoding):
-    """The changed rows of a tensor of two dimensions or more, in chunks of about
+    """The changed rows of a tensor of two dimensions or more, or the changed elements of a 1-d
+    tensor aligned with a table's rows (row-wise optimizer state), in chunks of about
     ``chunk_bytes``."""
 
     name = "rows"
     claims = "rows"
 
-    def chosen(self, kind: str, shape: tuple[int, ...], quantized: bool) -> bool:
-        return kind == "delta" and not quantized and len(shape) >= 2
+    def chosen(self, kind: str, shape: tuple[int, ...], quantized: bool, aligned: bool) -> bool:
+        return kind == "delta" and not quantized and (len(shape) >= 2 or aligned and len(shape) == 1)
 
     def chunk_shape(self, shape: tuple[int, ...], itemsize: int, changed: int,
                     sizes: tuple[int, int], rule: Rowwise | None) -> tuple[int, ...]:
@@ -249,7 +250,7 @@ class QRows(Rows):
     name = "qrows"
     quantized = True
 
-    def chosen(self, kind: str, shape: tuple[int, ...], quantized: bool) -> bool:
+    def chosen(self, kind: str, shape: tuple[int, ...], quantized: bool, aligned: bool) -> bool:
         return kind == "delta" and quantized
 
     def chunk_shape(self, shape: tuple[int, ...], itemsize: int, changed: int,
