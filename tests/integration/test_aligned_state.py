@@ -13,10 +13,11 @@ import torch
 from torch import nn
 
 import deltackpt
-from deltackpt import Checkpointer, MemoryStorage, StateError
+from deltackpt import Checkpointer, MemoryStorage, Shard, StateError
 from deltackpt.format.encodings import dense_chunk_elems
 from deltackpt.io.reader import ChainReader
 from deltackpt.io.staging import StagingPool
+from dist_harness import check_ok, run_ranks
 from helpers import same_bits
 
 ROWS, DIM = 20_000, 16
@@ -181,3 +182,23 @@ def test_chains_mixing_dense_and_row_deltas_of_the_state_restore_bit_exact(first
         assert held["model/emb"] == ("rows", touched.tolist())
         assert held["optim/acc"] == (("rows", touched.tolist()) if not first_aligned
                                      else ("chunks", chunk_elements(touched)))
+
+
+def split_job(rank: int, world: int, root: str) -> str:
+    half = ROWS // 2
+    emb, acc = torch.zeros(ROWS, DIM), torch.zeros(ROWS)
+    state = {"model": {"emb": Shard(emb[rank * half:(rank + 1) * half].clone(), global_shape=(ROWS, DIM),
+                                    global_offset=(rank * half, 0))},
+             "optim": {"acc": Shard(acc[rank * half:(rank + 1) * half].clone(), global_shape=(ROWS,),
+                                    global_offset=(rank * half,))}}
+    with Checkpointer(f"{root}/store", aligned={"optim/acc": "model/emb"} if rank == 0 else None) as ckpt:
+        try:
+            ckpt.save(0, state)
+        except deltackpt.DeltackptError as e:
+            return str(e)
+    return "saved"
+
+
+def test_ranks_that_disagree_on_an_alignment_are_refused_naming_the_key(tmp_path):
+    for why in check_ok(run_ranks(split_job, 2, str(tmp_path), str(tmp_path), deadline=120)):
+        assert "optim/acc" in why and "aligned" in why, why
