@@ -284,7 +284,7 @@ def measure_saving(args, fraction, first_step, model, opts, ckpt_marks, ckpt_has
     full = nbytes_of(state)
     k = max(args.pooling, int(args.rows * fraction) // args.pooling * args.pooling)
     pt = os.path.join(scratch, "state.pt")
-    written: dict[str, list[int]] = {"marks": [], "hashes": []}
+    written: dict[str, list[int]] = {"marks": [], "hashes": [], "marks_tables": [], "hashes_tables": []}
     step = [first_step]
 
     def touch() -> None:
@@ -330,10 +330,20 @@ def measure_saving(args, fraction, first_step, model, opts, ckpt_marks, ckpt_has
             raise AssertionError(f"expected two deltas, marks covering hashes: {m} vs {h}")
         written["marks"].append(m.bytes_written)
         written["hashes"].append(h.bytes_written)
+        written["marks_tables"].append(table_bytes(ckpt_marks, step[0]))
+        written["hashes_tables"].append(table_bytes(ckpt_hash, step[0]))
     out = {name: statistics.median(ts) for name, ts in times.items()}
     out.update(full=full, rows=k, **{f"{n}_bytes": statistics.median(b) for n, b in written.items()})
     out.update({f"{n}_runs": ts for n, ts in times.items()})
     return out
+
+
+def table_bytes(ckpt: deltackpt.Checkpointer, step: int) -> int:
+    """The bytes of the tables' and their Adagrad state's chunks in step ``step``'s record: the
+    delta without the MLPs and their Adam state, which change at every step."""
+    m = ckpt.store.manifest(step)
+    return sum(e[0] for key, rec in m.tensors.items() if key.startswith(("model/embs.", "optim/state/"))
+               and not key.endswith("/step") for part in rec.parts for e in part.chunks.values())
 
 
 def measure_finding(args, model, opts, gen) -> dict[str, float]:
@@ -469,14 +479,15 @@ def main(argv: list[str] | None = None) -> None:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
     print()
     print("| delta | rows per table | marks s | hashing s | torch.save s | marks MB | hashing MB "
-          "| changed MB | marks / changed | hashing / changed |")
+          "| changed MB | tables / changed, marks | tables / changed, hashing |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for f, sv in sweep.items():
         goal = changed_bytes(args, sv["rows"])
         print(f"| {f:.1%} | {sv['rows']} | {sv['marks']:.4f} | {sv['hashes']:.4f} | {sv['torch.save']:.4f} "
               f"| {sv['marks_bytes'] / 1e6:.2f} | {sv['hashes_bytes'] / 1e6:.2f} | {goal / 1e6:.2f} "
-              f"| {sv['marks_bytes'] / goal:.3f} | {sv['hashes_bytes'] / goal:.3f} |")
-    print("changed = changed rows x (row bytes of the table and its Adagrad state + 8); goal: <= 1.1")
+              f"| {sv['marks_tables_bytes'] / goal:.3f} | {sv['hashes_tables_bytes'] / goal:.3f} |")
+    print("changed = changed rows x (row bytes of the table and its Adagrad state + 8); tables = the "
+          "delta's bytes of the tables and their Adagrad state (its MLPs and Adam state aside); goal <= 1.1")
     write_figures(args.json, "bench_tracking", args, figures(args, marking, hashing, finding, sweep),
                   fraction=list(sweep), state_bytes=saving["full"],
                   marks_s=[sv["marks"] for sv in sweep.values()],
@@ -519,6 +530,8 @@ def figures(args, marking, hashing, finding, sweep) -> list[dict]:
                                sv[f"{how}_runs"], peer="torch.save + fsync", peer_runs=sv["torch.save_runs"]))
         rows.append(figure(f"{f:.1%} delta bytes, marks", sv["marks_bytes"], "B",
                            peer="changed rows x (row bytes + 8)", peer_runs=changed_bytes(args, sv["rows"])))
+        rows.append(figure(f"{f:.1%} delta bytes of the tables and their state, marks", sv["marks_tables_bytes"],
+                           "B", peer="changed rows x (row bytes + 8)", peer_runs=changed_bytes(args, sv["rows"])))
     return rows
 
 
