@@ -474,6 +474,9 @@ def checkpointer(args: argparse.Namespace, path: str, **kw: Any) -> Any:
     import deltackpt
 
     kw.setdefault("chunk_bytes", args.chunk_mib * MiB)
+    # The accumulators (1-d, a value per row, in a plain dict) ride with their tables' rows.
+    kw.setdefault("aligned", {f"optim/emb.{t}.rowwise_adagrad_sum": f"model/emb.{t}.weight"
+                              for t in range(args.tables)})
     return deltackpt.Checkpointer(path, base_every=1 << 30, io_threads=args.io_threads,
                                   timeout=datetime.timedelta(minutes=5), **kw)
 
@@ -580,6 +583,9 @@ def two_rank_job(rank: int, world: int, port: int, args: argparse.Namespace, scr
         if rank == 0 and not R.profiling:
             R.info.setdefault("deltackpt base bytes", []).append(base.bytes_written)
             R.info.setdefault("deltackpt delta bytes", []).append(delta.bytes_written)
+            changed = want_rows * (args.dim * 4 + 4 + 8)
+            R.info["changed rows x (row bytes of a table and its accumulator + 8)"] = changed
+            R.info.setdefault("delta bytes / that (goal <= 1.1)", []).append(round(delta.bytes_written / changed, 3))
             R.info["deltackpt store bytes (base + delta, all files)"] = tree_bytes(store)
 
         if not R.profiling:
