@@ -95,11 +95,11 @@ class ChainReader:
         box = box or whole(tuple(dest.shape))
         self._small.here = dest.nbytes <= INLINE_BYTES
         try:
-            self._read(key, dest, box)
+            self._read(key, dest, box, hashes)
         finally:
             self._small.here = False
 
-    def _read(self, key: str, dest: torch.Tensor, box: Box) -> None:
+    def _read(self, key: str, dest: torch.Tensor, box: Box, hashes: RowHashes | None) -> None:
         recs = [self._checked(m, key, dest, box) for m in self._chain]
         start = max((i for i, r in enumerate(recs) if r.encoding.whole), default=0)
         steps = list(zip(self._chain, recs))[start:]

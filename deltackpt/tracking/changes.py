@@ -5,9 +5,8 @@ Tensors with two or more dimensions are row-sparse: their change set is a sorted
 (along dimension 0). So is a 1-d tensor aligned with a table's rows (one value per row: a
 row-wise Adagrad sum), whose rows are its elements (declared, or inferred for a tracked table's
 optimizer state: :meth:`~deltackpt.tracking.rows.RowTracker.aligned`), so it rides with the
-table's rows. Others (0-d,
-1-d) are dense: their change set lists fixed-size chunks of their bytes. Both are found one of
-two ways:
+table's rows. Others (0-d, 1-d) are dense: their change set lists fixed-size chunks of their
+bytes. Both are found one of two ways:
 
 * Hashes: a 64-bit hash per row or chunk, compared with the hashes of the last commit. Hashes
   compare bits, so a row holding the same NaN payload is unchanged and ``-0.0`` differs from
@@ -138,6 +137,10 @@ class ChangeTracker:
         """Whether ``t``'s changes are rows (else dense chunks): it has two dimensions or more,
         or is aligned with a table's rows."""
         return is_row_sparse(t) or key in self._aligned
+
+    def keys(self) -> set[str]:
+        """Keys of the tensors the last commit (or restore) hashed."""
+        return set(self._refs)
 
     # -- the three entry points -----------------------------------------------------------------
 

@@ -302,10 +302,6 @@ class RowTracker:
             out.add(key)
         return out
 
-    def keys(self) -> set[str]:
-        """Keys of the tensors the last commit (or restore) hashed."""
-        return set(self._refs)
-
     # -- internals ------------------------------------------------------------------------------
 
     def _register(
