@@ -15,7 +15,7 @@ bytes. Both are found one of two ways:
   rows its lookups marked since the last commit, with no pass over the table. The hashes of those
   rows (or of the chunks holding them, for dense state) are recomputed, so the last commit's hashes
   stay current at O(changed) cost: a delta's writer hashes them from the copies it writes
-  (:func:`deltackpt.save.phases.write_part`), and :meth:`ChangeTracker.adopt` hashes whatever no
+  (:meth:`deltackpt.format.encodings.base.Encoding.encode`), and :meth:`ChangeTracker.adopt` hashes whatever no
   writer did. Each such save also re-hashes a
   sample of distinct unmarked rows (the :class:`~deltackpt.tracking.marks.Canary`) and compares
   them with the last commit: a mismatch means something changes rows without a lookup (weight
