@@ -48,6 +48,7 @@ from .marks import TableMode, TrackedTable, draw_rows
 from .rows import RowTracker, TrackedGroup
 
 log = logging.getLogger(__name__)
+FEW_HASHES = 4096  # tensors of at most this many hashes are compared in one pass over them all
 
 
 SMALL_TENSOR_BYTES = 1 << 16
@@ -257,8 +258,9 @@ class ChangeTracker:
         return n if n <= chunk else chunk if not n % chunk else 0
 
     def _scan_all(self, tensors: dict[str, torch.Tensor]) -> dict[str, TensorChange]:
-        """:meth:`_scan_hashes` of every tensor, hashed by :meth:`hash_many` and compared with
-        the references all at once: per tensor, only what changed costs more."""
+        """:meth:`_scan_hashes` of every tensor, hashed by :meth:`hash_many`; tensors of few
+        hashes are compared with their references all at once, larger ones one by one (joining
+        them would copy every hash): per tensor, only what changed costs more."""
         out = {}
         known = {}
         for key, t in tensors.items():
@@ -268,15 +270,17 @@ class ChangeTracker:
             else:
                 known[key] = t
         hashes = self.hash_many(known)
-        if hashes:
-            now = list(hashes.values())
-            differs = torch.cat(now) != torch.cat([self._refs[k].hashes for k in hashes])
+        few = [k for k, h in hashes.items() if h.numel() <= FEW_HASHES]
+        changed: set[str] = set()
+        if few:
+            now = [hashes[k] for k in few]
+            differs = (torch.cat(now) != torch.cat([self._refs[k].hashes for k in few])).nonzero()
             ends = np.cumsum([h.numel() for h in now])
-            where = np.searchsorted(ends, differs.nonzero().flatten().numpy(), side="right")
-            changed = set(where.tolist())
-            for i, (key, h) in enumerate(hashes.items()):
-                out[key] = TensorChange((h != self._refs[key].hashes).nonzero().flatten()
-                                        if i in changed else NO_IDS, h, aligned=self._aligned_1d(key, tensors[key]))
+            changed = {few[i] for i in np.searchsorted(ends, differs.flatten().numpy(), side="right")}
+        for key, h in hashes.items():
+            compare = key in changed or h.numel() > FEW_HASHES
+            out[key] = TensorChange((h != self._refs[key].hashes).nonzero().flatten() if compare else NO_IDS,
+                                    h, aligned=self._aligned_1d(key, tensors[key]))
         return {k: out[k] for k in tensors}
 
     def _aligned_1d(self, key: str, t: torch.Tensor) -> bool:
