@@ -52,6 +52,16 @@ def pack_name(rank: int) -> str:
     return f"pack.{rank}"
 
 
+def table_name(rank: int) -> str:
+    """The part table of the parts rank ``rank`` wrote (see :mod:`.part_tables`)."""
+    return f"parts.{rank}"
+
+
+RANK_FILE = re.compile(r"(pack|parts)\.[0-9]+", re.ASCII)
+"""The names of :func:`pack_name` and :func:`table_name`: a rank's own files in an attempt folder,
+beside the tensors' folders (so no tensor key may start with one)."""
+
+
 def chunk_path(m: Manifest, key: str, part: PartRecord, name: str) -> str:
     """Where a chunk is: its file, or for a chunk in a pack, its name and place in the pack."""
     path = f"{STEPS}/{m.attempt}/{part_folder(key, part.path)}/{name}"

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from .layout import RANK_FILE
+
 MAX_STEP = 2**63 - 1  # the records' 20-digit names and int64 readers hold no more
 MAX_DEPTH = 100  # nodes of a state's skeleton below its root
 MAX_RECORD_BYTES = 256 << 20  # a commit record (20,000 tensors take ~6 MB)
@@ -26,8 +28,6 @@ MAX_NAME_BYTES = 255  # a key component, as the file systems' NAME_MAX
 BLOSC_HEADER = 16  # bytes of a blosc chunk's header (and its largest overhead)
 MAX_RATIO = 256  # LZ4, blosc's codec here, never shrinks data more than 255 times
 RESERVED = frozenset({"", ".", "..", "zarr.json"})
-# Names of a save attempt's own files beside its tensors' folders: a rank's pack and part table.
-RESERVED_TOP = re.compile(r"(pack|parts)\.[0-9]+", re.ASCII)
 
 
 def key_problem(key: str) -> str | None:
@@ -40,7 +40,7 @@ def key_problem(key: str) -> str | None:
         ("first component 'pack.0' is reserved (a rank's pack or part table)", True)
     """
     first = key.split("/", 1)[0]
-    if RESERVED_TOP.fullmatch(first):
+    if RANK_FILE.fullmatch(first):
         return f"first component {first!r} is reserved (a rank's pack or part table)"
     for part in key.split("/"):
         if part in RESERVED:

@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import ManifestError, StateError
 from ..sharding import check_tiling
 from . import dtypes
-from .layout import pack_name
+from .layout import pack_name, table_name
 from .limits import MAX_METADATA_BYTES, MAX_STEP, chunk_index, coded_size_fits
 from .manifest import PartRecord, TensorRecord
 
@@ -172,7 +172,7 @@ class Table:
         if rows is None:
             return []
         c, n = self.columns(), len(rec.shape)
-        pack, label = pack_name(self.rank), f"{where} (table parts.{self.rank})"
+        pack, label = pack_name(self.rank), f"{where} (table {table_name(self.rank)})"
         grids, names = seen
         out = []
         dims = c["dims"]

@@ -18,7 +18,7 @@ import xxhash
 
 from ..collector import paused
 from ..errors import ManifestError
-from .layout import STEPS
+from .layout import STEPS, table_name
 from .lossy import Lossy
 from .encodings import Encoding
 from .manifest import Manifest, PartRecord, TensorRecord
@@ -30,7 +30,7 @@ TableReader = Callable[[str, int, str], bytes]
 
 def table_key(attempt: str, rank: int) -> str:
     """Where the part table of ``rank`` lies in a step's attempt folder."""
-    return f"{STEPS}/{attempt}/parts.{rank}"
+    return f"{STEPS}/{attempt}/{table_name(rank)}"
 
 
 def checksum(data: bytes) -> str:
