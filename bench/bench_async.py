@@ -215,39 +215,39 @@ def main() -> None:
     for r in range(args.repeat):
         start = cpu_seconds()
         step = 100 * r
-        path = os.path.join(root, f"r{r}-blocking")
-        with Checkpointer(path, base_every=1000, memory_budget=budget, threads=args.save_threads) as ckpt:
-            ckpt.track(model, prefix="model", optimizer=opt)
-            for what, at in (("base", step + 1), ("1% delta", step + 2)):
-                if what != "base":
-                    train()
-                info = ckpt.save(at, state)
-                note(f"{what} blocking: blocked s", info.blocked_seconds)
-        shutil.rmtree(path)
-        path = os.path.join(root, f"r{r}-background")
-        with Checkpointer(path, base_every=1000, memory_budget=budget, threads=args.save_threads) as ckpt:
-            ckpt.track(model, prefix="model", optimizer=opt)
-            for what, at in (("base", step + 1), ("1% delta", step + 2)):
-                if what != "base":
-                    train()
-                info, added = memory_added(lambda at=at: ckpt.save(at, state, blocking=False).result())
-                note(f"{what} background: blocked s", info.blocked_seconds)
-                note(f"{what} background: to commit s", info.seconds)
-                if what == "base":
-                    note("base background: memory added MiB", added)
-        shutil.rmtree(path)
+        def base_then_delta(name: str, labels: tuple[str, str],
+                            save: Callable[[Checkpointer, str, int], None]) -> None:
+            """A base, a training step, then a delta, each saved by ``save(ckpt, label, step)``
+            into a fresh store of its own."""
+            path = os.path.join(root, f"r{r}-{name}")
+            with Checkpointer(path, base_every=1000, memory_budget=budget, threads=args.save_threads) as ckpt:
+                ckpt.track(model, prefix="model", optimizer=opt)
+                for i, what in enumerate(labels):
+                    if i:
+                        train()
+                    save(ckpt, what, step + 1 + i)
+            shutil.rmtree(path)
+
+        def blocking(ckpt: Checkpointer, what: str, at: int) -> None:
+            note(f"{what} blocking: blocked s", ckpt.save(at, state).blocked_seconds)
+
+        def background(ckpt: Checkpointer, what: str, at: int) -> None:
+            info, added = memory_added(lambda: ckpt.save(at, state, blocking=False).result())
+            note(f"{what} background: blocked s", info.blocked_seconds)
+            note(f"{what} background: to commit s", info.seconds)
+            if what == "base":
+                note("base background: memory added MiB", added)
+
+        def beside(ckpt: Checkpointer, what: str, at: int) -> None:
+            handle = ckpt.save(at, state, blocking=False)
+            steps = while_pending(handle.done, train)
+            note(f"train step beside a background {what} ms", 1000 * statistics.median(steps))
+            note(f"{what} background, training beside: to commit s", handle.result().seconds)
+
+        base_then_delta("blocking", ("base", "1% delta"), blocking)
+        base_then_delta("background", ("base", "1% delta"), background)
         # Training beside the saves (its steps would grow the delta above, so apart from it).
-        path = os.path.join(root, f"r{r}-beside")
-        with Checkpointer(path, base_every=1000, memory_budget=budget, threads=args.save_threads) as ckpt:
-            ckpt.track(model, prefix="model", optimizer=opt)
-            for what, at in (("base", step + 1), ("delta", step + 2)):
-                if what != "base":
-                    train()
-                handle = ckpt.save(at, state, blocking=False)
-                beside = while_pending(handle.done, train)
-                note(f"train step beside a background {what} ms", 1000 * statistics.median(beside))
-                note(f"{what} background, training beside: to commit s", handle.result().seconds)
-        shutil.rmtree(path)
+        base_then_delta("beside", ("base", "delta"), beside)
         note("train step alone ms", 1000 * statistics.median(timed(train, args.steps)))
         if have_dcp:
             dcp_save("base", os.path.join(root, f"dcp{r}-base"))
