@@ -48,11 +48,12 @@ from .marks import TableMode, TrackedTable, draw_rows
 from .rows import RowTracker, TrackedGroup
 
 log = logging.getLogger(__name__)
-FEW_HASHES = 4096  # tensors of at most this many hashes are compared in one pass over them all
-
 
 SMALL_TENSOR_BYTES = 1 << 16
 """Tensors of at most this many bytes are hashed together, in one call (:meth:`ChangeTracker.hash_many`)."""
+
+FEW_HASHES = 4096
+"""Tensors of at most this many hashes are compared with their references in one pass over them all."""
 
 NO_IDS = torch.empty(0, dtype=torch.int64)
 """No row or chunk, or the hashes of none (shared: never written to)."""
