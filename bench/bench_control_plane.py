@@ -1,12 +1,16 @@
 """The control plane of a save at scale, simulated in one process: W ranks x T tensors.
 
-Drives the package's own control-plane code for every simulated rank, without processes or I/O:
-``plan_local`` on every rank's state (tensors allocated but never filled), the coordinator's
-``GlobalPlanner``, ``write_items``, ``summarize`` (scan summaries), ``decide``,
+Drives the package's own control-plane code without processes or I/O: ``plan_local``,
+``write_items`` and ``summarize`` (scan summaries) on the ranks run in full (``--full``: the
+coordinator and one other rank by default), the coordinator's ``GlobalPlanner``, ``decide``,
 ``build_manifest`` and ``encode_record`` (the root record and the part tables), then
 ``parse_manifest`` (the root alone, as ``ls`` reads it) and every part table, as a restore or
-``load`` of every tensor reads and checks them. What the writers would have written is made up from
-the plan (chunk sizes exact, coded chunks at their largest size, data chunk checksums
+``load`` of every tensor reads and checks them. The other ranks exist only as the messages they
+send (their local plans made from the job's layout, equal to what ``plan_local`` makes of their
+states; their scans and write results from meta tensors of their parts), so no state of theirs is
+allocated and a world of thousands fits in memory; each message is pickled as the collectives send
+it and unpickled on the coordinator, one at a time. What the writers would have written is made up
+from the plan (chunk sizes exact, coded chunks at their largest size, data chunk checksums
 stand-ins); the metadata files' entries are real.
 
 Two saves: a base with a new layout (every local plan sent, a new global plan), then a delta
@@ -17,7 +21,7 @@ broadcast the coordinator's message to every rank, a scatter each rank its own.
 
 Last, ``deltackpt ls`` is timed on a store of ``--ls-steps`` root records like the later save's.
 
-Run:  python bench/bench_control_plane.py --world 1024 --tensors 1000
+Run:  python bench/bench_control_plane.py --world 4096 --tensors 1000
 Writes bench/results/control_plane_W{world}_T{tensors}.json and prints a markdown table.
 """
 
@@ -34,7 +38,8 @@ import resource
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import replace
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,9 +60,11 @@ from deltackpt.policy import BasePolicy, ChainState, EveryK
 from deltackpt.save.commit import build_manifest
 from deltackpt.save.decide import counts, decide
 from deltackpt.save.local import plan_local, write_items
-from deltackpt.save.planner import Assignment, GlobalPlan, GlobalPlanner, PartPlan, PlanRequest
+from deltackpt.save.planner import (Assignment, GlobalPlan, GlobalPlanner, ItemInfo, LocalPlan, PartPlan,
+                                    PlanRequest)
 from deltackpt.save.scan import PartScan, summarize
-from deltackpt.save.types import Committed, Kind, SavePlan, WriteItem, WriteResult
+from deltackpt.save.types import Committed, Kind, LocalState, SavePlan, WriteItem, WriteResult
+from deltackpt.sharding import Box
 from deltackpt.storage.local import LocalStorage
 from deltackpt.store import Store
 from deltackpt.tracking.changes import TensorChange, is_row_sparse
@@ -65,6 +72,7 @@ from deltackpt.tracking.changes import TensorChange, is_row_sparse
 MiB = 1 << 20
 DEFAULT_SIZES = (32 * MiB, 1 * MiB)  # the Checkpointer's chunk_bytes, dense_chunk_bytes
 StateOf = Callable[[int, int], Mapping[str, Any]]  # (rank, step) -> state
+PlanOf = Callable[[int, int], LocalPlan]  # (rank, step) -> the local plan of that state
 Changed = Callable[[str, PartPlan, torch.Tensor], int]
 
 
@@ -101,14 +109,14 @@ class Job:
             out.append((f"t{i:05d}", scheme, (rows, self.dim), dtype))
         return out
 
-    def state(self, rank: int, step: int) -> dict[str, Any]:
-        """Rank ``rank``'s state (the same at every step: the layout stays). Its tensors are never
-        filled: a save refuses meta tensors, and memory allocated but never touched costs no pages."""
-        tensors: dict[str, Any] = {}
+    def held(self, rank: int) -> Iterator[tuple[str, tuple[int, ...], torch.dtype, tuple[int, ...],
+                                                 tuple[int, ...] | None]]:
+        """The tensors rank ``rank`` holds: name, global shape, dtype, local shape and global
+        offset (None for a whole tensor, held as a plain tensor)."""
         for i, (name, scheme, shape, dtype) in enumerate(self.layout()):
             if scheme == "table":
                 if i % self.world == rank:
-                    tensors[name] = torch.empty(shape, dtype=dtype)
+                    yield name, shape, dtype, tuple(list(shape)), None  # another tuple, as a Shard's box
                 continue
             if scheme == "row":
                 dim, ranks, at = 0, self.world, rank
@@ -124,9 +132,28 @@ class Job:
             local[dim] = hi - lo
             offset = [0, 0]
             offset[dim] = lo
-            tensors[name] = Shard(torch.empty(local, dtype=dtype),
-                                  global_shape=shape, global_offset=tuple(offset))
+            yield name, shape, dtype, tuple(local), tuple(offset)
+
+    def state(self, rank: int, step: int) -> dict[str, Any]:
+        """Rank ``rank``'s state (the same at every step: the layout stays). Its tensors are never
+        filled: a save refuses meta tensors, and memory allocated but never touched costs no pages."""
+        tensors: dict[str, Any] = {}
+        for name, shape, dtype, local, offset in self.held(rank):
+            t = torch.empty(local, dtype=dtype)
+            tensors[name] = t if offset is None else Shard(t, global_shape=shape, global_offset=offset)
         return {"tensors": tensors, "epoch": 0}
+
+    def local_plan(self, rank: int, step: int, sizes: tuple[int, int] = DEFAULT_SIZES) -> LocalPlan:
+        """What ``plan_local`` makes of :meth:`state` (the local plan rank ``rank`` sends), made
+        from the layout alone: a rank simulated by its messages allocates no tensor."""
+        held = [(name, f"tensors/{name}", *rest) for name, *rest in self.held(rank)]
+        items = tuple(sorted(
+            (ItemInfo(key, dtypes.name(dtype), shape, Box(offset or (0,) * len(shape), local), dtype.itemsize)
+             for _, key, shape, dtype, local, offset in held), key=lambda it: it.key))
+        # The same key objects in the items and the tree, as plan_local's: the digest pickles both.
+        tree = {"dict": [["tensors", {"dict": [[name, {"tensor": key}] for name, key, *_ in held]}],
+                         ["epoch", {"value": 0}]]}
+        return LocalPlan(rank, items, tree, sizes)
 
 
 def changed_share(share: float) -> Changed:
@@ -204,14 +231,15 @@ def written(save: SavePlan, rank: int, items: tuple[WriteItem, ...], held: Mappi
 
 @dataclass
 class Phase:
-    """One phase: seconds on the coordinator (or summed over ranks, with the slowest rank), the
-    bytes one rank sends (the largest message), the bytes the coordinator receives and the bytes
-    every other rank receives."""
+    """One phase: seconds on the coordinator and on the slowest other rank simulated in full (for
+    a broadcast or scatter, the seconds a rank takes to unpickle what it receives), the bytes one
+    rank sends (the largest message), the bytes the coordinator receives and the bytes a rank other
+    than the coordinator receives (the largest)."""
 
     name: str
     where: str
     seconds: float = 0.0
-    max_rank_seconds: float = 0.0
+    other_seconds: float = 0.0
     sent_max: int = 0
     received: int = 0
     rank_received: int = 0
@@ -225,17 +253,22 @@ class Run:
 
     phases: list[Phase] = field(default_factory=list)
     plans: list[GlobalPlan] = field(default_factory=list)
-    records: list[Manifest] = field(default_factory=list)
-    record_bytes: list[int] = field(default_factory=list)  # root records
+    records: list[Manifest] = field(default_factory=list)  # as parsed: parts read on first use
+    roots: list[bytes] = field(default_factory=list)  # root records
     table_bytes: list[int] = field(default_factory=list)  # all part tables of each record
     one_tensor_tables: list[int] = field(default_factory=list)  # tables a load of one tensor reads
     progress: bool = False
+
+    @property
+    def record_bytes(self) -> list[int]:
+        return [len(r) for r in self.roots]
 
     def add(self, phase: Phase) -> Phase:
         phase.peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         self.phases.append(phase)
         if self.progress:
-            print(f"  {phase.name}: {phase.seconds:.2f} s", file=sys.stderr, flush=True)
+            print(f"  {phase.name}: {phase.seconds:.2f} s, {phase.peak_rss_mib:.0f} MiB", file=sys.stderr,
+                  flush=True)
         return phase
 
     def rank_received(self, step: int) -> int:
@@ -247,18 +280,68 @@ def _wire(value: Any) -> int:
     return len(pickle.dumps((True, value)))
 
 
-def _gather(run: Run, name: str, per_rank: list[Any], seconds: list[float]) -> None:
-    """Every rank's message to the coordinator, which unpickles them all."""
-    messages = [pickle.dumps((True, v)) for v in per_rank]
-    _, unpickle = _timed(lambda: [pickle.loads(m) for m in messages])
-    sizes = [len(m) for m in messages]
-    run.add(Phase(name, "every rank", sum(seconds), max(seconds), max(sizes), sum(sizes), unpickle=unpickle))
+class Ranks:
+    """The simulated ranks: those in ``full`` run every phase on their state; the others exist
+    only as the messages they send, made from ``plan_of`` and their parts, and no state of theirs
+    is allocated, so a world of thousands fits in one process.
+
+    A phase on every rank is timed on the ranks simulated in full (the coordinator's seconds, and
+    the slowest other's); what a gather delivers to the coordinator is every rank's message,
+    pickled as the collectives send it and unpickled there, one at a time.
+    """
+
+    def __init__(self, world: int, state_of: StateOf, plan_of: PlanOf | None, full: Collection[int] | None,
+                 sizes: tuple[int, int]):
+        self.world, self.state_of, self.plan_of, self.sizes = world, state_of, plan_of, sizes
+        self.full = set(range(world)) if full is None else set(full)
+        if 0 not in self.full or (plan_of is None and len(self.full) < world):
+            raise ValueError("the coordinator (rank 0) runs in full, and other ranks need plan_of")
+        self.locals: dict[int, LocalState] = {}  # the last local state of each rank run in full
+
+    def each(self, fn: Callable[[int], Any], *, timed: bool = True) -> Iterator[tuple[int, Any, float]]:
+        """``fn(rank)`` on every rank, with its seconds (0 on ranks not run in full)."""
+        for r in range(self.world):
+            t0 = time.perf_counter()
+            out = fn(r)
+            yield r, out, (time.perf_counter() - t0) if timed and r in self.full else 0.0
+
+    def gather(self, run: Run, name: str, fn: Callable[[int], Any]) -> list[Any]:
+        """Every rank's ``fn(rank)``, as the coordinator receives it (unpickled there)."""
+        received, sizes, seconds, unpickle = [], [], {}, 0.0
+        for r, value, s in self.each(fn):
+            message = pickle.dumps((True, value))
+            t0 = time.perf_counter()
+            received.append(pickle.loads(message)[1])
+            unpickle += time.perf_counter() - t0
+            sizes.append(len(message))
+            seconds[r] = s
+        run.add(Phase(name, "every rank", seconds[0], max((v for r, v in seconds.items() if r), default=0.0),
+                      max(sizes), sum(sizes), unpickle=unpickle))
+        return received
+
+    def local(self, step: int, r: int) -> LocalPlan | LocalState:
+        """``plan_local`` on a rank run in full (its last local state kept as a saver keeps it),
+        the local plan alone on another."""
+        if r not in self.full:
+            assert self.plan_of is not None
+            return self.plan_of(r, step)
+        last = self.locals.get(r)
+        local = plan_local(step, self.state_of(r, step), r, self.sizes,
+                           None if last is None else replace(last, shards={}))
+        self.locals[r] = local
+        return local
+
+    def items(self, plan: GlobalPlan, r: int, parts: tuple[tuple[str, PartPlan], ...]) -> tuple[WriteItem, ...]:
+        """The parts rank ``r`` writes with its tensors: a rank not run in full holds meta tensors
+        of its parts' shapes."""
+        if r in self.full:
+            return write_items(parts, self.locals[r])
+        return tuple(WriteItem(key, p, _meta(p.box.shape, plan.tensors[key].dtype)) for key, p in parts)
 
 
-def _broadcast(run: Run, name: str, value: Any, seconds: float, unpickle: float = 0.0) -> None:
-    """The coordinator's ``value`` to every rank."""
-    n = _wire(value)
-    run.add(Phase(name, "coordinator", seconds, unpickle, n, 0, n))
+@functools.lru_cache(maxsize=65536)
+def _meta(shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtypes.from_name(dtype), device="meta")
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -267,90 +350,100 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
+def _scatter(run: Run, name: str, values: list[Any], seconds: float) -> None:
+    """The coordinator's ``values[r]`` to each rank ``r``; the largest is unpickled, timed."""
+    messages = [pickle.dumps((True, v)) for v in values]
+    largest = max(messages[1:] or messages, key=len)
+    _, unpickle = _timed(lambda: pickle.loads(largest))
+    run.add(Phase(name, "coordinator", seconds, unpickle, len(largest), 0, len(largest)))
+
+
 def simulate(world: int, state_of: StateOf, *, changed: Changed, sizes: tuple[int, int] = DEFAULT_SIZES,
-             policy: BasePolicy | None = None, progress: bool = False) -> Run:
+             policy: BasePolicy | None = None, progress: bool = False, full: Collection[int] | None = None,
+             plan_of: PlanOf | None = None) -> Run:
     """A base with a new layout, then a delta with the same layout, on ``world`` simulated ranks
     whose states ``state_of(rank, step)`` gives; ``changed`` says what changed in each part for the
-    delta."""
+    delta. The ranks in ``full`` (default: all; rank 0 always) run every phase on their state; the
+    others only send their messages, their local plans given by ``plan_of(rank, step)``."""
     run, policy = Run(progress=progress), policy or EveryK(100)
+    ranks = Ranks(world, state_of, plan_of, full, sizes)
     planner, head, chain = GlobalPlanner(world), None, ChainState(0, 0, 0)
     digests: dict[int, str] = {}
     assigned: dict[int, Assignment] = {}
     for step in (1, 2):
         # plan_local, on every rank: the local plan, or its digest alone when unchanged.
-        sent, seconds, locals_ = [], [], {}
-        for r in range(world):
-            local, s = _timed(lambda: plan_local(step, state_of(r, step), r, sizes))
-            sent.append(PlanRequest(step, local.digest, None if digests.get(r) == local.digest else local.plan,
-                                    assigned[r].tag if r in assigned else None))
-            digests[r] = local.digest
-            locals_[r] = local
-            seconds.append(s)
-        _gather(run, f"{step}: plan_local", sent, seconds)
+        def request(r: int) -> PlanRequest:
+            local = ranks.local(step, r)
+            plan, digest = (local.plan, local.digest) if isinstance(local, LocalState) else (local, local.digest())
+            sent = PlanRequest(step, digest, None if digests.get(r) == digest else plan,
+                               assigned[r].tag if r in assigned else None)
+            digests[r] = digest
+            return sent
+
+        sent = ranks.gather(run, f"{step}: plan_local", request)
         # plan_global, on the coordinator: each rank receives its own parts (when it lacks them).
         answers, s = _timed(lambda: planner.assign(sent, lambda _: None))
-        messages = [pickle.dumps((True, a)) for a in answers]
-        largest = max(messages, key=len)
-        _, unpickle = _timed(lambda: pickle.loads(largest))
-        run.add(Phase(f"{step}: plan_global", "coordinator", s, unpickle, len(largest), 0, len(largest)))
+        del sent
+        _scatter(run, f"{step}: plan_global", answers, s)
         assigned.update((r, a) for r, a in enumerate(answers) if a is not None)
+        del answers
         plan = planner.plan
         run.plans.append(plan)
-        items, seconds = [], []
-        for r in range(world):
-            out, s = _timed(lambda: write_items(assigned[r].parts, locals_[r]))
-            items.append(out)
-            seconds.append(s)
-        run.add(Phase(f"{step}: write_items", "every rank", sum(seconds), max(seconds)))
+        seconds = {r: s for r, _, s in ranks.each(lambda r: ranks.items(plan, r, assigned[r].parts))}
+        run.add(Phase(f"{step}: write_items", "every rank", seconds[0], max(v for r, v in seconds.items() if r)
+                      if world > 1 else 0.0))
         # scan, on every rank: a summary of each part it writes, to the coordinator.
-        scans, seconds = [], []
-        for r in range(world):
-            out, s = _timed(lambda: _scan(items[r], changed if head is not None else None, sizes))
-            scans.append(out)
-            seconds.append(s)
-        _gather(run, f"{step}: scan", scans, seconds)
+        scans = ranks.gather(run, f"{step}: scan", lambda r: _scan(
+            ranks.items(plan, r, assigned[r].parts), changed if head is not None else None, sizes))
         everyone = [x for per in scans for x in per]
         save, s = _timed(lambda: decide(policy, head, chain, plan, everyone, step=step, attempt=f"{step}-sim"))
-        _broadcast(run, f"{step}: decide", save, s)
-        results, seconds = [], []
-        for r in range(world):
-            out, s = _timed(lambda: written(save, r, items[r], counts(save.kind, ((i.key, i.part) for i in items[r]),
-                                                                      scans[r]),
-                                            sizes, plan=plan if r == 0 else None))
-            results.append(out)
-            seconds.append(s)
-        _gather(run, f"{step}: stage", [None] * world, [0.0] * world)
-        _broadcast(run, f"{step}: stage (outcome)", None, 0.0)
-        _gather(run, f"{step}: write results", results, seconds)
+        _scatter(run, f"{step}: decide", [save] * world, s)
+        ranks.gather(run, f"{step}: stage", lambda r: None)
+        _scatter(run, f"{step}: stage (outcome)", [None] * world, 0.0)
+
+        def result(r: int) -> WriteResult:
+            items = ranks.items(plan, r, assigned[r].parts)
+            return written(save, r, items, counts(save.kind, ((i.key, i.part) for i in items), scans[r]), sizes,
+                           plan=plan if r == 0 else None)
+
+        results = ranks.gather(run, f"{step}: write results", result)
         record, s = _timed(lambda: build_manifest(
             save, plan, counts(save.kind, plan.parts(), everyone), results, head=head, world_size=world,
             policy={"name": policy.name, "decision": str(save.kind), "reason": save.reason}, sizes=sizes))
+        del results, scans, everyone
         run.add(Phase(f"{step}: build_manifest", "coordinator", s))
         (root, tables), s = _timed(lambda: encode_record(record))
         table_bytes = sum(len(t) for t in tables.values())
         run.add(Phase(f"{step}: encode_record", "coordinator", s, 0.0, len(root) + table_bytes))
         rows = sum(r.changed for r in record.tensors.values() if len(r.shape) >= 2)
-        _broadcast(run, f"{step}: commit", Committed(record.bytes_written, record.state_bytes, rows), 0.0)
-        del results, scans, everyone, items, locals_, sent
-        parsed, s = _timed(lambda: parse_manifest(root, f"commits/{step}", _reader(tables)))
-        run.add(Phase(f"{step}: parse root (ls; reader)", "every reader", s, 0.0, 0, len(root)))
-        fresh = parse_manifest(root, f"commits/{step}", _reader(tables))
-        one = next(iter(fresh.tensors), None)
-        _, s = _timed(lambda: one is not None and tuple(fresh.tensors[one].parts))
-        run.add(Phase(f"{step}: one tensor's part tables (load of one key; reader)", "every reader", s, 0.0,
-                      0, sum(len(tables[r]) for r in {p.rank for p in fresh.tensors[one].parts}) if one else 0))
-        _, s = _timed(lambda: [tuple(t.parts) for t in parsed.tensors.values()])
-        run.add(Phase(f"{step}: every part table (restore, load; reader)", "every reader", s, 0.0, 0,
-                      table_bytes))
-        tables_read = len({p.rank for p in parsed.tensors[one].parts}) if one is not None else 0
-        run.records.append(parsed)
-        run.record_bytes.append(len(root))
+        _scatter(run, f"{step}: commit", [Committed(record.bytes_written, record.state_bytes, rows)] * world, 0.0)
+        _readers(run, step, root, tables)
         run.table_bytes.append(table_bytes)
-        run.one_tensor_tables.append(tables_read)
         head = record
         chain = ChainState(0, 0, record.bytes_written) if save.kind == Kind.BASE else ChainState(
             chain.deltas + 1, chain.delta_bytes + record.bytes_written, chain.base_bytes)
     return run
+
+
+def _readers(run: Run, step: int, root: bytes, tables: dict[int, bytes]) -> None:
+    """What readers of the record take: the root alone (``ls``), one tensor's part tables (a
+    ``load`` of one key) and every table (a restore or ``load`` of every tensor)."""
+    where = f"commits/{step}"
+    parsed, s = _timed(lambda: parse_manifest(root, where, _reader(tables)))
+    run.add(Phase(f"{step}: parse root (ls; reader)", "every reader", s, 0.0, 0, len(root)))
+    one = next(iter(parsed.tensors), None)
+    _, s = _timed(lambda: one is not None and tuple(parsed.tensors[one].parts))
+    owners = {p.rank for p in parsed.tensors[one].parts} if one is not None else set()
+    run.add(Phase(f"{step}: one tensor's part tables (load of one key; reader)", "every reader", s, 0.0,
+                  0, sum(len(tables[r]) for r in owners)))
+    every = parse_manifest(root, where, _reader(tables))
+    _, s = _timed(lambda: [tuple(t.parts) for t in every.tensors.values()])
+    del every
+    run.add(Phase(f"{step}: every part table (restore, load; reader)", "every reader", s, 0.0, 0,
+                  sum(map(len, tables.values()))))
+    run.records.append(parse_manifest(root, where, _reader(tables)))
+    run.roots.append(root)
+    run.one_tensor_tables.append(len(owners))
 
 
 def _reader(tables: dict[int, bytes]) -> TableReader:
@@ -362,11 +455,10 @@ def _reader(tables: dict[int, bytes]) -> TableReader:
     return read
 
 
-def time_ls(record: Manifest, steps: int) -> float:
+def time_ls(root: bytes, steps: int) -> float:
     """Seconds ``deltackpt ls --json`` takes on a local store of ``steps`` root records like
-    ``record`` (a base every 10 steps, deltas between); ls reads roots only, so no table is
+    ``root`` (a base every 10 steps, deltas between); ls reads roots only, so no table is
     written."""
-    root, _ = encode_record(record)
     doc = json.loads(root)
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(LocalStorage(tmp))
@@ -405,13 +497,12 @@ def table(run: Run, job: Job) -> str:
              f"{', '.join(map(str, run.one_tensor_tables))} tables; received by a "
              f"rank other than the coordinator: {run.rank_received(1):,} B (new layout), "
              f"{run.rank_received(2):,} B (a later save)",
-             "", "| phase | where | s (coordinator / per rank mean) | s (slowest rank / unpickle) "
+             "", "| phase | where | s (coordinator) | s (another rank: slowest in full / unpickling) "
              "| s (coordinator unpickles a gather) | MB sent by a rank (max) | MB received by the coordinator "
              "| MB received by another rank | peak RSS MiB |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for p in run.phases:
-        mean = p.seconds / job.world if p.where == "every rank" else p.seconds
-        lines.append(f"| {p.name} | {p.where} | {mean:.4f} | {p.max_rank_seconds:.4f} | {p.unpickle:.4f} | "
+        lines.append(f"| {p.name} | {p.where} | {p.seconds:.4f} | {p.other_seconds:.4f} | {p.unpickle:.4f} | "
                      f"{p.sent_max / 1e6:.3f} | {p.received / 1e6:.3f} | {p.rank_received / 1e6:.3f} | "
                      f"{p.peak_rss_mib:.0f} |")
     return "\n".join(lines)
@@ -424,6 +515,8 @@ def main() -> None:
     ap.add_argument("--mix", default="0.8,0.1,0.1", help="shares row-, column-, table-wise")
     ap.add_argument("--col-group", type=int, default=8, help="ranks a column-wise tensor spans")
     ap.add_argument("--changed", type=float, default=0.01, help="share of rows/chunks a delta writes")
+    ap.add_argument("--full", default="0,1",
+                    help="ranks run in full, comma-separated, or 'all' (the others send their messages only)")
     ap.add_argument("--ls-steps", type=int, default=300,
                     help="steps of a store whose `deltackpt ls` is timed (0: none)")
     ap.add_argument("--json", metavar="PATH", default=None,
@@ -431,8 +524,11 @@ def main() -> None:
     args = ap.parse_args()
     row, col, tab = (float(x) for x in args.mix.split(","))
     job = Job(args.world, args.tensors, (row, col, tab), args.col_group)
+    full = None if args.full == "all" else {int(r) for r in args.full.split(",") if int(r) < job.world}
+    states = {r: job.state(r, 1) for r in (range(job.world) if full is None else full)}
     t0 = time.perf_counter()
-    run = simulate(job.world, job.state, changed=changed_share(args.changed), progress=True)
+    run = simulate(job.world, lambda r, _: states[r], changed=changed_share(args.changed), progress=True,
+                   full=full, plan_of=job.local_plan)
     parts = sum(len(t.parts) for t in run.plans[-1].tensors.values())
     text = table(run, job)
     print(text)
@@ -441,11 +537,12 @@ def main() -> None:
 
     rows = []
     for p in run.phases:
-        mean = p.seconds / job.world if p.where == "every rank" else p.seconds
-        rows.append(figure(f"{p.name} ({'per rank mean' if p.where == 'every rank' else p.where})", mean))
-        rows.append(figure(f"{p.name}: MB received per rank", p.received / 1e6, "MB"))
+        rows.append(figure(f"{p.name} (coordinator)", p.seconds))
+        rows.append(figure(f"{p.name} (another rank)", p.other_seconds))
+        rows.append(figure(f"{p.name}: MB received by the coordinator", p.received / 1e6, "MB"))
+        rows.append(figure(f"{p.name}: MB received by another rank", p.rank_received / 1e6, "MB"))
     if args.ls_steps:
-        seconds = time_ls(run.records[-1], args.ls_steps)
+        seconds = time_ls(run.roots[-1], args.ls_steps)
         print(f"deltackpt ls of {args.ls_steps} steps (a base every 10) of this job's later save's "
               f"root record: {seconds:.3f} s")
         rows.append(figure(f"ls of {args.ls_steps} steps", seconds))

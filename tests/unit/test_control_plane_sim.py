@@ -154,3 +154,29 @@ def test_no_rank_but_the_coordinator_receives_what_grows_with_the_world():
     first = {w: run.rank_received(1) for w, run in runs.items()}
     parts = {w: sum(len(t.parts) for t in run.plans[0].tensors.values()) for w, run in runs.items()}
     assert parts[48] > 6 * parts[6] and first[48] < 1.5 * first[6], (parts, first)
+
+
+@pytest.mark.parametrize("world,tensors,col_group", [(1, 5, 8), (6, 20, 4), (9, 31, 8)])
+def test_a_rank_simulated_by_its_messages_sends_what_plan_local_makes(world, tensors, col_group):
+    from deltackpt.save.local import plan_local
+
+    job = sim.Job(world=world, tensors=tensors, col_group=col_group)
+    for rank in range(world):
+        local = plan_local(1, job.state(rank, 1), rank, sim.DEFAULT_SIZES)
+        made = job.local_plan(rank, 1)
+        assert made == local.plan and made.digest() == local.digest, rank
+
+
+def test_ranks_simulated_by_their_messages_give_the_plans_and_records_of_ranks_run_in_full():
+    job = sim.Job(world=6, tensors=20, col_group=4)
+    runs = [sim.simulate(job.world, job.state, changed=sim.changed_share(0.1), full=full, plan_of=job.local_plan)
+            for full in (None, {0, 3})]
+    assert runs[0].plans == runs[1].plans
+    assert [comparable(m) for m in runs[0].records] == [comparable(m) for m in runs[1].records]
+    # every message alike (not the record: a root's size varies with its commit time)
+    messages = [[(p.name, p.received, p.sent_max, p.rank_received) for p in run.phases
+                 if "reader" not in p.name and "record" not in p.name] for run in runs]
+    assert messages[0] == messages[1]
+    assert runs[0].rank_received(2) == runs[1].rank_received(2)
+    with pytest.raises(ValueError):
+        sim.simulate(job.world, job.state, changed=sim.changed_share(0.1), full={1, 2}, plan_of=job.local_plan)
