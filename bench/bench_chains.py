@@ -6,7 +6,10 @@ chains    One float32 table of ``--rows`` x ``--dim`` (default 2,097,152 x 64 = 
           sparse updates: step 0 is a base, steps 1..max(--chain-lengths) are incremental deltas.
           Checkpointer.restore of the step at each chain length into a pre-allocated,
           pre-faulted table (store files evicted from the page cache before each restore, warm
-          memory), ``--repeat`` rounds interleaved, medians. Then each of those steps is
+          memory), ``--repeat`` rounds interleaved, medians; in each round, right before each
+          restore, one thread reads every file of its chain (evicted) into a pre-faulted buffer:
+          the floor of a restore that reads them all. Beside it, the bytes of the distinct rows
+          the chain's deltas wrote (what a replay copies, each row once). Then each step is
           compacted (longest chain first, so each compaction reads the whole chain; timed), and
           the restores are timed again.
 policies  A smaller table (``--policy-rows`` x ``--dim``, default 262,144 x 64 = 64 MiB) over
@@ -33,8 +36,8 @@ before each timed restore, as much as the restore will allocate (page cache of t
 afterwards it evicts the store's files and touches the reserve again. GC runs with a grace period
 of 0 s (nothing is in flight). Scratch folders live under ``--dir`` and are removed at the end.
 
-Needs about 5x the chains table in RAM (~2.5 GiB at the defaults: restore target, reserve, a read
-buffer, staging) and, on disk, ``--checkpoints`` x the policy table (12.5 GiB at the defaults, for
+Needs about 5x the chains table plus the longest chain's files in RAM (~4 GiB at the defaults:
+restore target, reserve, a read buffer, staging) and, on disk, ``--checkpoints`` x the policy table (12.5 GiB at the defaults, for
 full checkpoints every time; each store is deleted after its policy). About 3.5 minutes at the
 defaults on the 2-core VM (208 s at commit 1bd9c59 while other processes took ~31 % of the cores;
 up to ~7 minutes on a busier machine): ~1.2 min for the chains part, the rest for the 8 x 200 saves.
@@ -221,6 +224,8 @@ class ChainRow:
     length: int
     records: int = 0
     chain_bytes: int = 0
+    kept_rows: int = 0  # distinct rows the chain's deltas wrote: each is copied once by a replay
+    read: list[float] = field(default_factory=list)  # reading the chain's files, the floor
     before: list[float] = field(default_factory=list)
     after: list[float] = field(default_factory=list)
     compact_s: float | None = None
@@ -245,8 +250,13 @@ def run_chains(args: argparse.Namespace, scratch: str) -> list[ChainRow]:
         raise AssertionError(f"step 0 is a {info.kind}")
     digests[0] = digest(table)
     base_bytes = info.bytes_written
+    written = torch.zeros(args.rows, dtype=torch.bool)
+    kept = {0: 0}
     for s in range(1, n + 1):
-        touched.append(w.update(table, s) / args.rows)
+        ids = w.ids(s)
+        written[ids] = True
+        kept[s] = int(written.sum())
+        touched.append(w.update(table, s, ids) / args.rows)
         info = ckpt.save(s, {"emb": table, "step": s})
         if info.kind != "delta" or info.rows_changed != round(touched[-1] * args.rows):
             raise AssertionError(f"step {s}: {info.kind} of {info.rows_changed} rows, "
@@ -262,18 +272,20 @@ def run_chains(args: argparse.Namespace, scratch: str) -> list[ChainRow]:
     for r in rows:
         chain = ckpt.store.chain(r.length)
         r.records, r.chain_bytes = len(chain), sum(m.bytes_written for m in chain)
+        r.kept_rows = kept[r.length]
     reserve = Reserve(max(r.chain_bytes for r in rows) + 4 * ckpt_chunk(ckpt))
     evict(path, sync=False)
     timed_restore(ckpt, path, reserve, target, 0, digests[0])  # warm-up: pool, threads, caches
-    base_dir = os.path.join(path, "steps", ckpt.store.manifest(0).attempt)
-    buf = np.ones(disk_usage(base_dir)[0] + MiB, dtype=np.uint8)  # pre-faulted
+    dirs = {r.length: [os.path.join(path, "steps", m.attempt) for m in ckpt.store.chain(r.length)] for r in rows}
+    buf = np.ones(max(sum(disk_usage(d)[0] for d in ds) for ds in dirs.values()) + MiB, dtype=np.uint8)
     refs: dict[str, list[float]] = {"read": [], "hash": []}
     for _ in range(args.repeat):
-        refs["read"].append(read_files(base_dir, buf, reserve))
+        refs["read"].append(read_files(dirs[0][:1], buf, reserve))
         t1 = time.perf_counter()
         kernels.hash_rows(target)
         refs["hash"].append(time.perf_counter() - t1)
         for r in rows:
+            r.read.append(read_files(dirs[r.length], buf, reserve))
             r.before.append(timed_restore(ckpt, path, reserve, target, r.length, digests[r.length]))
         print("  restore s before compaction: " + ", ".join(f"{r.length}: {r.before[-1]:.3f}" for r in rows),
               flush=True)
@@ -302,9 +314,10 @@ def run_chains(args: argparse.Namespace, scratch: str) -> list[ChainRow]:
     return rows, refs
 
 
-def read_files(folder: str, buf: np.ndarray, reserve: Reserve) -> float:
-    """Seconds to read every file below ``folder`` (evicted) into ``buf``, pre-faulted."""
-    names = sorted(files(folder))
+def read_files(folders: list[str], buf: np.ndarray, reserve: Reserve) -> float:
+    """Seconds to read every file below ``folders`` (evicted) into ``buf``, pre-faulted, on one
+    thread: the floor of a restore that reads them all."""
+    names = sorted(f for folder in folders for f in files(folder))
     reserve.free(sum(os.path.getsize(f) for f in names) + MiB)
     t0 = time.perf_counter()
     view, at = memoryview(buf), 0
@@ -313,7 +326,7 @@ def read_files(folder: str, buf: np.ndarray, reserve: Reserve) -> float:
             while n := fh.readinto(view[at:]):
                 at += n
     dt = time.perf_counter() - t0
-    evict(folder, sync=False)
+    evict(*folders, sync=False)
     reserve.hold()
     return dt
 
@@ -321,19 +334,22 @@ def read_files(folder: str, buf: np.ndarray, reserve: Reserve) -> float:
 def chains_table(rows: list[ChainRow], refs: dict[str, list[float]], args: argparse.Namespace) -> str:
     nbytes = args.rows * args.dim * 4
     ref = statistics.median(rows[0].before)
+    ref_read = statistics.median(rows[0].read)
     out = [
         f"Restore of the step at each chain length, {args.rows:,} x {args.dim} float32 "
         f"({nbytes / MiB:,.0f} MiB), ~{100 * args.touched:g} % of rows touched per interval, "
         f"incremental deltas; medians of {args.repeat} (files evicted, warm memory):",
         "",
-        "| chain length | records read | MiB read | restore s before | x chain 0 | compaction s "
+        "| chain length | records read | MiB read | MiB of rows kept from deltas | reading its files s "
+        "| x chain 0 | restore s before | x chain 0 | x reading its files | compaction s "
         "| restore s after compaction | records after | x chain 0 | runs before / after (s) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        b, a = statistics.median(r.before), statistics.median(r.after)
+        b, a, rd = statistics.median(r.before), statistics.median(r.after), statistics.median(r.read)
         out.append(
-            f"| {r.length} | {r.records} | {fmt_mib(r.chain_bytes)} | {b:.3f} | {b / ref:.2f} | "
+            f"| {r.length} | {r.records} | {fmt_mib(r.chain_bytes)} | {fmt_mib(r.kept_rows * args.dim * 4)} | "
+            f"{rd:.3f} | {rd / ref_read:.2f} | {b:.3f} | {b / ref:.2f} | {b / rd:.2f} | "
             f"{'-' if r.compact_s is None else f'{r.compact_s:.2f}'} | {a:.3f} | {r.records_after} | "
             f"{a / ref:.2f} | {' '.join(f'{x:.3f}' for x in r.before)} / {' '.join(f'{x:.3f}' for x in r.after)} |"
         )
@@ -562,6 +578,10 @@ def figures(chains: tuple[list[ChainRow], dict[str, list[float]]] | None,
         for r in rows:
             out.append(figure(f"restore after {r.length} deltas", r.before, peer=f"restore after {rows[0].length} deltas",
                               peer_runs=base))
+            out.append(figure(f"read the files of a {r.length}-delta chain (evicted)", r.read,
+                              peer="read the base's files (evicted)", peer_runs=rows[0].read))
+            out.append(figure(f"restore after {r.length} deltas, over reading its files", r.before,
+                              peer=f"read the files of a {r.length}-delta chain (evicted)", peer_runs=r.read))
         for r in rows:
             if r.length:
                 out.append(figure(f"compacted step of a {r.length}-delta chain, restore", r.after,
