@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from functools import partial
 
 import numpy as np
@@ -33,6 +33,7 @@ from .cover import Covers
 from .fetch import fetch, stored_size
 from .row_hashes import RowHashes
 from .staging import StagingPool
+from .threads import run_shared
 
 
 INLINE_BYTES = 1 << 16
@@ -133,22 +134,18 @@ class ChainReader:
         return rec
 
     def run(self, jobs: list[Job]) -> None:
-        """Runs ``jobs`` on the I/O threads (a small tensor's on this thread, see
-        :data:`INLINE_BYTES`); raises the first error once every job ended."""
+        """Runs ``jobs`` on the I/O threads and this one, which takes every job no I/O thread has
+        started (a small tensor's all on this thread, see :data:`INLINE_BYTES`); raises the
+        first error once every job ended."""
         error = None
         if getattr(self._small, "here", False):
             for job in jobs:
                 try:
                     job()
-                except BaseException as e:  # noqa: BLE001 - as below
+                except BaseException as e:  # noqa: BLE001 - every job runs before raising
                     error = error or e
         else:
-            futures: list[Future[object]] = [self._executor.submit(job) for job in jobs]
-            for f in futures:
-                try:
-                    f.result()
-                except BaseException as e:  # noqa: BLE001 - wait for every read before raising
-                    error = error or e
+            run_shared(self._executor, jobs)
         if error is not None:
             raise error
 

@@ -31,6 +31,7 @@ from ..format.zarr_meta import array_doc, codec_for, group_doc
 from ..storage import Storage
 from .pack import Pack
 from .staging import StagingPool
+from .threads import run_shared
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:
@@ -39,39 +40,6 @@ def as_bytes(t: torch.Tensor) -> memoryview:
 
 
 MAX_PIECES = 8  # pieces a large gather is split into, for the I/O threads and the saving one
-
-
-def run_shared(executor: Executor, jobs: list[Callable[[], None]]) -> None:
-    """Runs ``jobs`` on ``executor``'s threads and on this one, and waits for them.
-
-    This thread runs every job no I/O thread has started, and waits only for the jobs one has:
-    so it never waits on a busy executor, whose threads may be waiting on this one (a pack's
-    writer waits for the bytes this thread gathers).
-    """
-    taken = [threading.Lock() for _ in jobs]
-    done = [threading.Event() for _ in jobs]
-    errors: list[BaseException | None] = [None] * len(jobs)
-
-    def run(i: int) -> None:
-        if not taken[i].acquire(blocking=False):
-            return
-        try:
-            jobs[i]()
-        except BaseException as e:  # noqa: BLE001 - raised on the waiting thread
-            errors[i] = e
-        finally:
-            done[i].set()
-
-    futures = [executor.submit(run, i) for i in range(1, len(jobs))]
-    for i in range(len(jobs)):
-        run(i)
-    for f in futures:
-        f.cancel()
-    for d in done:
-        d.wait()
-    error = next((e for e in errors if e is not None), None)
-    if error is not None:
-        raise error
 
 
 def _then(job: Callable[[], None], after: Callable[[], None]) -> Callable[[], None]:

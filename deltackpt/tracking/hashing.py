@@ -1,5 +1,5 @@
 """Hashing on a save's own threads: small tensors on the calling thread, large ones split across
-the I/O threads, so a save never wakes more threads than it was given.
+the I/O threads and the calling one, so a save never wakes more threads than it was given.
 
 The compiled kernels could run a large hash in parallel themselves, but their thread pool is
 another set of threads beside the I/O threads; splitting the hash into pieces run by the
@@ -17,14 +17,15 @@ from functools import partial
 import torch
 
 from .. import kernels  # installed from kernels/, see pyproject
+from ..io.threads import run_shared
 
 
 class Hasher:
     """Row and chunk hashes on at most ``threads`` threads of ``executor``.
 
     A CPU tensor of at least ``2 * PARALLEL_MIN`` bytes is split into up to ``threads`` pieces
-    of at least ``PARALLEL_MIN`` bytes, hashed on the executor into one result while the caller
-    waits; anything smaller is hashed on the calling thread, and a device tensor by its kernels.
+    of at least ``PARALLEL_MIN`` bytes, hashed into one result by the executor and the caller
+    (which takes the pieces no I/O thread has started); anything smaller is hashed on the calling thread, and a device tensor by its kernels.
 
     Args:
         executor: the save's worker threads; None hashes everything on the calling thread.
@@ -72,13 +73,13 @@ class Hasher:
         return min(self._threads, t.numel() * t.element_size() // kernels.PARALLEL_MIN)
 
     def _run(self, jobs: list[Callable[[], torch.Tensor]]) -> None:
-        """Runs the pieces on the executor (each writes its slice of the result) and waits."""
+        """Runs the pieces (each writes its slice of the result) on the executor and this thread,
+        which takes every piece no I/O thread has started (see :func:`run_shared`)."""
         if self._executor is None:
             for job in jobs:
                 job()
             return
-        for f in [self._executor.submit(job) for job in jobs]:
-            f.result()
+        run_shared(self._executor, jobs)
 
 
 _warming: list[threading.Thread] = []

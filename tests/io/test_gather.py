@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from deltackpt import Checkpointer, EveryK, MemoryStorage, kernels
-from deltackpt.io.writer import run_shared
+from deltackpt.io.threads import run_shared
 
 
 def test_jobs_run_on_this_thread_when_every_io_thread_is_busy():

@@ -79,3 +79,24 @@ def test_a_hash_split_across_threads_matches_one_thread(threads):
         assert hasher.rows(rows).equal(kernels.hash_rows(rows, threads=1))
         for chunk in (MiB, 3 * MiB + 4, 12):
             assert hasher.chunks(flat, chunk).equal(kernels.hash_chunks(flat, chunk, threads=1))
+
+
+def test_a_split_hash_goes_on_while_every_io_thread_waits_for_a_core():
+    """On a node whose cores are busy elsewhere, the I/O threads a hash wakes may wait long for a
+    core: the calling thread hashes every piece none of them has started."""
+    rows = torch.randn(300_001, 33)
+    release = threading.Event()
+    with ThreadPoolExecutor(2) as ex:
+        stuck = [ex.submit(release.wait) for _ in range(2)]  # both I/O threads held elsewhere
+        hasher = Hasher(ex, 2)
+        done: list[torch.Tensor] = []
+        worker = threading.Thread(target=lambda: done.append(hasher.rows(rows)), daemon=True)
+        worker.start()
+        worker.join(timeout=30)
+        finished_meanwhile = bool(done)
+        release.set()
+        for f in stuck:
+            f.result()
+        worker.join()
+    assert finished_meanwhile
+    assert done[0].equal(kernels.hash_rows(rows, threads=1))
