@@ -130,18 +130,19 @@ def direct_bandwidth(folder: str, nbytes: int) -> float:
 
 
 class DirectCount:
-    """Counts the bytes a LocalStorage writes with O_DIRECT."""
+    """Counts the bytes a LocalStorage writes with O_DIRECT (through its DirectWriter)."""
 
     def __init__(self, storage):
         self.bytes = 0
-        real = storage._write_direct
+        writer = storage._writer
+        real = writer._write_direct
 
         def counted(fd, data):
             n = real(fd, data)
             self.bytes += n
             return n
 
-        storage._write_direct = counted
+        writer._write_direct = counted
 
 
 def timed_save(ckpt: Checkpointer, state: dict, step: int) -> float:
