@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deltackpt import Checkpointer
+from deltackpt import Checkpointer, StepExistsError
 from deltackpt.ops import lease
 from deltackpt.ops.gc import Retention
 from deltackpt.storage import FaultInjection, open_storage
@@ -135,9 +135,11 @@ def take_over_race(path: str, racers: int, folder: Path, step: int,
 def save_steps(path: str, steps: list[int], out: str, pause: Pause | list[Pause] | None = None,
                restore: int | None = None, take_over: bool = False, ttl: float = lease.DEFAULT_TTL,
                host: str | None = None, then_sleep: float = 0.0,
-               storage_options: dict | None = None) -> None:
+               storage_options: dict | None = None, committed: int | None = None) -> None:
     """Restores ``restore`` (default: the latest step, if any) and saves ``steps``; then holds
-    the lease ``then_sleep`` seconds (renewing it) and closes. ``host`` pretends to run there."""
+    the lease ``then_sleep`` seconds (renewing it) and closes. ``host`` pretends to run there.
+    ``committed``: a step committed already, saved first: its ``StepExistsError`` is expected
+    (the save takes the lease, naming no head, before it reports the step)."""
     if host is not None:
         lease._HOST = host
 
@@ -147,6 +149,11 @@ def save_steps(path: str, steps: list[int], out: str, pause: Pause | list[Pause]
         if at is not None:
             ckpt.restore(state_at(at), at)
         kinds = {}
+        if committed is not None:
+            try:
+                ckpt.save(committed, state_at(committed))
+            except StepExistsError as e:
+                kinds[committed] = ["exists", str(e)]
         for step in steps:
             info = ckpt.save(step, state_at(step))
             kinds[step] = [info.kind, info.reason]

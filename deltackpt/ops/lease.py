@@ -6,7 +6,8 @@ one wins and every other one fails with :class:`WriterConflictError` naming the 
 
 * The coordinator takes the lease at its first save and keeps it until :meth:`Holding.release`
   (``Checkpointer.close()``, or the interpreter's exit for a checkpointer never closed). A
-  background thread renews it every ``ttl / 3`` seconds.
+  background thread renews it every ``ttl / 3`` seconds. The first save takes it already naming
+  its ``head`` and ``attempt`` (below): one write, on an I/O thread, beside the save's scan.
 * A lease is free when it was not renewed for ``ttl`` seconds, by the wall clock, or when its
   holder ran on this host and that process is gone: a job killed and restarted takes the lease of
   its dead predecessor by itself (at once on the same host, after at most ``ttl`` elsewhere).
@@ -232,11 +233,25 @@ class Claim:
 
     def hold(self) -> Holding:
         """The lease, taken first if not held yet (see :func:`acquire`)."""
-        if self.holding is None:
-            self.holding = acquire(self.storage, ttl=self.ttl, take_over=self.take_over,
-                                   seen=self.seen)
-            self._release = weakref.finalize(self, self.holding.release)
-        return self.holding
+        return self.holding if self.holding is not None else self._take(None, None)
+
+    def publish(self, head: tuple[int, str] | None, attempt: str) -> None:
+        """Publishes ``head`` and ``attempt`` (see :meth:`Holding.publish`), taking the lease
+        with them in one write if it is not held yet (see :func:`acquire`).
+
+        Raises:
+            WriterConflictError: another writer holds the lease or took it over.
+        """
+        if self.holding is not None:
+            self.holding.publish(head, attempt)
+        else:
+            self._take(head, attempt)
+
+    def _take(self, head: tuple[int, str] | None, attempt: str | None) -> Holding:
+        holding = self.holding = acquire(self.storage, ttl=self.ttl, take_over=self.take_over,
+                                         seen=self.seen, head=head, attempt=attempt)
+        self._release = weakref.finalize(self, holding.release)
+        return holding
 
     def release(self) -> None:
         """Gives the lease up if held (idempotent)."""
@@ -246,7 +261,8 @@ class Claim:
 
 
 def acquire(storage: Storage, *, ttl: float, take_over: bool,
-            seen: tuple[str, int] | bytes | None = None) -> Holding:
+            seen: tuple[str, int] | bytes | None = None, head: tuple[int, str] | None = None,
+            attempt: str | None = None) -> Holding:
     """Takes the lease for this process.
 
     Args:
@@ -254,6 +270,7 @@ def acquire(storage: Storage, *, ttl: float, take_over: bool,
         ttl: seconds without renewal after which the new lease is free.
         take_over: replace the lease whose :func:`identity` is ``seen``, alive or not.
         seen: with ``take_over``, the identity of the lease found when the store was opened.
+        head, attempt: what the new lease publishes (see :meth:`Holding.publish`).
 
     Raises:
         WriterConflictError: another live holder has the lease, took it first, or it is
@@ -282,7 +299,7 @@ def acquire(storage: Storage, *, ttl: float, take_over: bool,
                 time.sleep(min(1.0, current.ttl / 10))
                 continue
         lease = Lease(f"{_HOST}:{os.getpid()}:{uuid.uuid4().hex[:8]}",
-                      current.epoch + 1 if current is not None else 1, now, now, ttl)
+                      current.epoch + 1 if current is not None else 1, now, now, ttl, head, attempt)
         if storage.swap(LEASE, raw, lease.to_json()):
             return Holding(storage, lease)
         raise _taken(storage, read(storage)[1])

@@ -27,7 +27,8 @@ def decide(policy: BasePolicy, head: Manifest | None, chain: ChainState, plan: G
     """Base or delta by the policy, and why; a delta quantizes the tensors ``quantize`` names.
 
     First ``published`` ends: the lease names ``head`` and ``attempt`` (GC keeps both from then
-    on, see :mod:`deltackpt.ops.gc`; the saver starts that write while the ranks scan, and its
+    on, see :mod:`deltackpt.ops.gc`; the saver starts that write, which takes the lease at a
+    checkpointer's first save, while the ranks plan and scan, and its
     error, such as WriterConflictError, is raised here). Then a head that is gone from the store
     (removed by GC before, or withdrawn by a writer that lost the lease) makes the save a base.
     Without ``store`` and ``published`` (a simulation of the control plane) neither happens."""

@@ -20,7 +20,7 @@ import torch
 
 from ..collectives import Collective
 from ..collector import paused
-from ..errors import BrokenChainError, StateError
+from ..errors import BrokenChainError, StateError, StepExistsError
 from ..format.layout import STEPS
 from ..format.manifest import Manifest
 from ..io.staging import StagingPool
@@ -84,9 +84,8 @@ class Saver:
         """Every phase up to ``stage``; returns ``finish(blocked_seconds)``, the write and commit
         (``blocked_seconds`` None: the caller waits for them too)."""
         storage = self.store.storage
-        items = self._write_items(step, state)
         coordinator = self._coll.is_coordinator
-        plan = self._planner.plan if coordinator else None  # only the coordinator holds it
+        items = self._write_items(step, state)
         everyone: list[PartScan] = []  # the coordinator's: every rank's scans, for the record
         attempt = self.store.new_attempt(step)  # used on the coordinator only
         published = self._publish(attempt) if coordinator else None
@@ -107,6 +106,7 @@ class Saver:
         finally:
             if published is not None:
                 wait([published])  # never left running behind a failed save
+        plan = self._planner.plan if coordinator else None  # only the coordinator holds it
         writers = [open_writer(storage, save, self._coll.rank, self._pool, self._executor, self._packer)]
         if coordinator:
             writers.append(StepWriter(storage, f"{STEPS}/{save.attempt}", self._pool, self._executor))
@@ -126,11 +126,11 @@ class Saver:
         return partial(self._write_and_commit, save, record, writers, tensors, staged, t0)
 
     def _publish(self, attempt: str) -> Future[None]:
-        """Coordinator: starts writing the head and ``attempt`` into the lease on an I/O thread,
-        so that the write overlaps the scan; ``decide`` waits for it before any data is written."""
-        holding = self._lease.hold()
+        """Coordinator: starts writing the head and ``attempt`` into the lease on an I/O thread
+        (at the first save, taking the lease with them), so that the write overlaps the scan;
+        ``decide`` waits for it before any data is written."""
         head = None if self._head is None else (self._head.step, self._head.attempt)
-        return self._executor.submit(holding.publish, head, attempt)
+        return self._executor.submit(self._lease.publish, head, attempt)
 
     def _write_and_commit(self, save: SavePlan, record: Callable[[list[WriteResult]], Committed],
                           writers: list[StepWriter], tensors: dict[str, torch.Tensor],
@@ -219,9 +219,14 @@ class Saver:
         )
 
     def _admit(self, step: int) -> None:
-        """Coordinator: ``step`` may be saved, and this checkpointer holds the writer lease."""
-        self._lease.hold()  # first: of writers racing for one step, each loser learns the winner
-        self.store.check_new_step(step)
+        """Coordinator: ``step`` may be saved. (The lease is taken by the save's first write to
+        it, see :meth:`_publish`; a committed ``step`` is reported only once this checkpointer
+        holds the lease, so that of writers racing for one step each loser learns the winner.)"""
+        try:
+            self.store.check_new_step(step)
+        except StepExistsError:
+            self._lease.hold()
+            raise
 
     def restored(self, head: Manifest, chain: ChainState) -> None:
         """After a restore: the next delta applies to ``head``."""

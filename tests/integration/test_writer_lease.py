@@ -133,7 +133,9 @@ def test_record_withdrawn_as_the_new_holder_takes_it_as_its_head_is_put_back(tmp
                 pause=[Pause(ctl, "old", "fsync_dir", "/s/commits"),
                        Pause(ctl, "old-delete", "gc_delete", "commits/")])
     wait_paused(ctl, "old", old)  # its record of step 5 exists
-    new = start(lease_procs.save_steps, path, [6], new_out, take_over=True,
+    # A save's first lease write names its head, but one of a committed step takes the lease
+    # before it reports the step, naming none: then step 6 publishes head 5.
+    new = start(lease_procs.save_steps, path, [6], new_out, take_over=True, committed=5,
                 pause=[Pause(ctl, "new-publish", "swap", nth=2),
                        Pause(ctl, "new-write", "write_chunk", "steps/")])
     wait_paused(ctl, "new-publish", new)  # took the lease over, restored 5, publishes it next
@@ -146,6 +148,7 @@ def test_record_withdrawn_as_the_new_holder_takes_it_as_its_head_is_put_back(tmp
     assert result(old_out)["error"] == "WriterConflictError"
     go(ctl, "new-write")
     new.join(120)
+    assert result(new_out)["ok"]["5"][0] == "exists"
     assert result(new_out)["ok"]["6"][0] == "delta"  # on step 5, put back
     check_steps(path, [1, 2, 3, 4, 5, 6])
 

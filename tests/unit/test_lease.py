@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import pytest
@@ -74,3 +75,22 @@ def test_lease_names_the_head_and_the_save_in_flight(store_path):
         now = lease.read(ckpt.store.storage)[1]
         assert now.head == (1, ckpt.store.manifest(1).attempt)
         assert now.attempt == ckpt.store.manifest(2).attempt
+
+
+def test_first_save_takes_the_lease_naming_its_save_in_one_write(store_path, monkeypatch):
+    """The first save's lease write takes the lease and publishes the save in flight at once, on
+    an I/O thread beside the scan, not on the saving thread before it."""
+    takers: list[str] = []
+    original = lease.acquire
+
+    def acquire(*args, **kwargs):
+        takers.append(threading.current_thread().name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(lease, "acquire", acquire)
+    with Checkpointer(store_path) as ckpt:
+        ckpt.save(1, {"t": torch.zeros(3)})
+        taken = lease.read(ckpt.store.storage)[1]
+        assert taken.epoch == 1 and taken.attempt == ckpt.store.manifest(1).attempt
+        assert taken.renewed == taken.since  # not written again after it was taken
+    assert len(takers) == 1 and takers[0].startswith("deltackpt-io"), takers
