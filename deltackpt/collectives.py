@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from .errors import REQUEST_ERRORS, CheckpointAborted
+from .wire import Wire
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,6 +54,7 @@ class Collective:
         if not 0 <= coordinator_rank < self.size:
             raise ValueError(f"coordinator_rank must be in [0, {self.size}), got {coordinator_rank}")
         self.coordinator = coordinator_rank
+        self._wire = Wire(self.group, self.rank, self.size, coordinator_rank)
 
     @property
     def is_coordinator(self) -> bool:
@@ -70,9 +72,7 @@ class Collective:
             if not outcome[0]:
                 raise outcome[1]
             return [outcome[1]]
-        gathered: list[Any] = [None] * self.size
-        self._exchange(phase, lambda: dist.all_gather_object(gathered, _portable(outcome), group=self.group))
-        return self._results(phase, gathered)
+        return self._results(phase, self._exchange(phase, lambda: self._wire.all_gather(_portable(outcome))))
 
     def each(self, phase: str, fn: Callable[[], tuple[T, K]]) -> tuple[list[T], K]:
         """Like :meth:`all` for an ``fn`` that returns ``(sent, kept)``: every rank's ``sent``,
@@ -93,7 +93,7 @@ class Collective:
             if not outcome[0]:
                 raise outcome[1]
             return outcome[1]
-        ok, value = self._broadcast(phase, outcome)
+        ok, value = self._exchange(phase, lambda: self._wire.broadcast(_portable(outcome)))
         if not ok:
             if isinstance(value, REQUEST_ERRORS):
                 raise value  # a bad request (an unknown step, ...), the same on every rank
@@ -127,43 +127,27 @@ class Collective:
                 raise outcome[1]
             answer = then([outcome[1]])
             return (answer[0] if per_rank else answer), kept[0]
-        gathered: list[Any] | None = [None] * self.size if self.is_coordinator else None
-        dst = dist.get_global_rank(self.group, self.coordinator)
-        self._exchange(phase, lambda: dist.gather_object(_portable(outcome), gathered, dst=dst,
-                                                         group=self.group))
-        result: tuple[bool, Any] = (True, None)
-        if gathered is not None:
+
+        def reply(gathered: list[tuple[bool, Any]]) -> Any:
             failures = {r: (phase, _describe(v)) for r, (ok, v) in enumerate(gathered) if not ok}
-            result = (False, CheckpointAborted(failures)) if failures else _run(
+            result: tuple[bool, Any] = (False, CheckpointAborted(failures)) if failures else _run(
                 lambda: then([v for _, v in gathered]))
-        ok, value = (self._scatter if per_rank else self._broadcast)(then_phase, result)
+            ok, value = result
+            if not ok:
+                return [_portable((ok, value))] * self.size if per_rank else _portable((ok, value))
+            return [(True, v) for v in value] if per_rank else (True, value)
+
+        ok, value = self._exchange(phase, lambda: self._wire.gather_reply(
+            _portable(outcome), reply, per_rank=per_rank))
         if not ok:
             if isinstance(value, (CheckpointAborted, *REQUEST_ERRORS)):
                 raise value
             raise CheckpointAborted({self.coordinator: (then_phase, _describe(value))})
         return value, kept[0]
 
-    def _broadcast(self, phase: str, outcome: tuple[bool, Any]) -> tuple[bool, Any]:
-        """The coordinator's ``outcome``, on every rank."""
-        box = [_portable(outcome)]
-        src = dist.get_global_rank(self.group, self.coordinator)
-        self._exchange(phase, lambda: dist.broadcast_object_list(box, src=src, group=self.group))
-        return box[0]
-
-    def _scatter(self, phase: str, outcome: tuple[bool, Any]) -> tuple[bool, Any]:
-        """The coordinator's answer for this rank (its error, to every rank)."""
-        ok, value = outcome
-        sent: list[Any] | None = None
-        if self.is_coordinator:
-            sent = [(True, v) for v in value] if ok else [_portable(outcome)] * self.size
-        box: list[Any] = [None]
-        src = dist.get_global_rank(self.group, self.coordinator)
-        self._exchange(phase, lambda: dist.scatter_object_list(box, sent, src=src, group=self.group))
-        return box[0]
-
-    def _exchange(self, phase: str, op: Callable[[], None]) -> None:
+    def _exchange(self, phase: str, op: Callable[[], T]) -> T:
         try:
-            op()
+            return op()
         except Exception as e:  # a dead peer ("Connection reset by peer") or a timeout
             log.error("checkpoint phase %s failed in the collective: %s", phase, e)
             raise CheckpointAborted({-1: (phase, f"a peer is unreachable: {e}")}) from e

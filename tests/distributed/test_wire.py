@@ -1,0 +1,58 @@
+"""Objects between ranks in fixed-size frames: every size of message and reply arrives whole,
+whether it fits one frame or needs the second round, and nothing but the root receives another
+rank's message."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from dist_harness import check_ok, run_ranks
+
+
+def message(rank: int, size: int) -> bytes:
+    return bytes([rank % 251]) * size
+
+
+def wire_job(rank: int, world: int, sizes: list[int], reply_size: int) -> dict:
+    from deltackpt.wire import Wire
+
+    wire = Wire(dist.group.WORLD, rank, world, root=1)
+    received: list = []
+
+    def reply(got: list) -> list:
+        received.extend(got)
+        return [message(r, reply_size + r) for r in range(world)]
+
+    def one(got: list) -> bytes:
+        return b"r" * reply_size
+
+    return {
+        "frame": wire.frame,
+        "all": wire.all_gather(message(rank, sizes[rank])),
+        "one": wire.broadcast(message(7, reply_size) if rank == 1 else None),
+        "per_rank": wire.gather_reply(message(rank, sizes[rank]), reply, per_rank=True),
+        "received": list(received),
+        "shared": wire.gather_reply(("x", message(rank, sizes[rank])), one, per_rank=False),
+        # The group still lines up after the rounds above.
+        "after": wire.all_gather(rank),
+    }
+
+
+@pytest.mark.parametrize("sizes, reply_size", [
+    ([10, 20, 30], 40),  # everything fits one frame
+    ([10, 40_000, 30], 40),  # one rank's message needs the second round
+    ([10, 20, 30], 50_000),  # the replies need the second round
+    ([70_000, 40_000, 90_000], 60_000),  # every message and reply does
+])
+def test_every_message_arrives_whole(tmp_path, sizes, reply_size):
+    world = len(sizes)
+    results = check_ok(run_ranks(wire_job, world, str(tmp_path), sizes, reply_size))
+    for rank, got in enumerate(results):
+        assert got["frame"] < max(40_000, reply_size)  # the large cases do take the second round
+        assert got["all"] == [message(r, sizes[r]) for r in range(world)]
+        assert got["one"] == message(7, reply_size)
+        assert got["per_rank"] == message(rank, reply_size + rank)
+        assert got["received"] == ([message(r, sizes[r]) for r in range(world)] if rank == 1 else [])
+        assert got["shared"] == b"r" * reply_size
+        assert got["after"] == list(range(world))
