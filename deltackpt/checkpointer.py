@@ -392,6 +392,7 @@ class Checkpointer:
             self._background.close()
             self._saver.close()
             self._executor.shutdown(wait=True)
+            self._coll.close()
 
     def __enter__(self) -> Checkpointer:
         return self

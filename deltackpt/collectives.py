@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from .errors import REQUEST_ERRORS, CheckpointAborted
+from .errors import REQUEST_ERRORS, CheckpointAborted, DeltackptError
 from .wire import Wire
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class Collective:
         if not 0 <= coordinator_rank < self.size:
             raise ValueError(f"coordinator_rank must be in [0, {self.size}), got {coordinator_rank}")
         self.coordinator = coordinator_rank
-        self._wire = Wire(self.group, self.rank, self.size, coordinator_rank)
+        self._wire: Wire | None = Wire(self.group, self.rank, self.size, coordinator_rank)
 
     @property
     def is_coordinator(self) -> bool:
@@ -72,7 +72,7 @@ class Collective:
             if not outcome[0]:
                 raise outcome[1]
             return [outcome[1]]
-        return self._results(phase, self._exchange(phase, lambda: self._wire.all_gather(_portable(outcome))))
+        return self._results(phase, self._exchange(phase, lambda: self._net.all_gather(_portable(outcome))))
 
     def each(self, phase: str, fn: Callable[[], tuple[T, K]]) -> tuple[list[T], K]:
         """Like :meth:`all` for an ``fn`` that returns ``(sent, kept)``: every rank's ``sent``,
@@ -93,7 +93,7 @@ class Collective:
             if not outcome[0]:
                 raise outcome[1]
             return outcome[1]
-        ok, value = self._exchange(phase, lambda: self._wire.broadcast(_portable(outcome)))
+        ok, value = self._exchange(phase, lambda: self._net.broadcast(_portable(outcome)))
         if not ok:
             if isinstance(value, REQUEST_ERRORS):
                 raise value  # a bad request (an unknown step, ...), the same on every rank
@@ -137,13 +137,26 @@ class Collective:
                 return [_portable((ok, value))] * self.size if per_rank else _portable((ok, value))
             return [(True, v) for v in value] if per_rank else (True, value)
 
-        ok, value = self._exchange(phase, lambda: self._wire.gather_reply(
+        ok, value = self._exchange(phase, lambda: self._net.gather_reply(
             _portable(outcome), reply, per_rank=per_rank))
         if not ok:
             if isinstance(value, (CheckpointAborted, *REQUEST_ERRORS)):
                 raise value
             raise CheckpointAborted({self.coordinator: (then_phase, _describe(value))})
         return value, kept[0]
+
+    def close(self) -> None:
+        """Lets go of the process group. A group still referenced when the interpreter exits
+        outlives ``destroy_process_group``: its worker threads then drop their last collective's
+        tensors during finalization, which aborts the process ("terminate called without an
+        active exception")."""
+        self.group = self._wire = None
+
+    @property
+    def _net(self) -> Wire:
+        if self._wire is None:
+            raise DeltackptError("the checkpointer is closed")
+        return self._wire
 
     def _exchange(self, phase: str, op: Callable[[], T]) -> T:
         try:

@@ -1,10 +1,14 @@
-"""Objects between ranks in fixed-size frames: every size of message and reply arrives whole,
-whether it fits one frame or needs the second round, and nothing but the root receives another
-rank's message."""
+"""The checkpoint collectives: objects between ranks in fixed-size frames (every size of message
+and reply arrives whole, whether it fits one frame or needs the second round, and nothing but the
+root receives another rank's message), and a closed checkpointer lets go of its process group."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
+import torch
 import torch.distributed as dist
 
 from dist_harness import check_ok, run_ranks
@@ -56,3 +60,25 @@ def test_every_message_arrives_whole(tmp_path, sizes, reply_size):
         assert got["received"] == ([message(r, sizes[r]) for r in range(world)] if rank == 1 else [])
         assert got["shared"] == b"r" * reply_size
         assert got["after"] == list(range(world))
+
+
+def close_job(rank: int, world: int, root: str) -> bool:
+    from deltackpt import Checkpointer, Shard
+
+    table = torch.arange(40.0).reshape(20, 2)
+    ckpt = Checkpointer(root)
+    for step in (1, 2):
+        table[step] += 1
+        ckpt.save(step, {"t": Shard(table[rank * 10:(rank + 1) * 10].clone(), global_shape=(20, 2),
+                                    global_offset=(rank * 10, 0))})
+    ckpt.close()
+    group = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()
+    gc.collect()
+    # Kept alive by the (closed) checkpointer, the group's worker threads would run on into the
+    # interpreter's exit and could abort it while dropping their last collective's tensors.
+    return group() is None
+
+
+def test_a_closed_checkpointer_lets_go_of_the_process_group(tmp_path):
+    assert check_ok(run_ranks(close_job, 2, str(tmp_path), str(tmp_path / "store"))) == [True, True]
