@@ -123,8 +123,7 @@ class Checkpointer:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if memory_budget < 2 * chunk_bytes:
-            raise ValueError(f"memory_budget ({memory_budget}) must hold at least two chunks "
-                             f"of {chunk_bytes} B")
+            raise ValueError(f"memory_budget ({memory_budget}) must hold two chunks of {chunk_bytes} B")
         self.policy: BasePolicy = policy if policy is not None else EveryK(base_every)
         self._quantize = QuantizePlan(quantize)  # and the restores made, carried through records
         self._coll = Collective(process_group, timeout=timeout, coordinator_rank=coordinator_rank)
