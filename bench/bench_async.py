@@ -188,10 +188,8 @@ def main() -> None:
     try:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
-        if not dist.is_initialized():
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29533")
-            dist.init_process_group("gloo", rank=0, world_size=1)
+        if not dist.is_initialized():  # a world of one on an in-process store: no port to take
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         have_dcp = hasattr(dcp, "async_save")
     except Exception as e:  # noqa: BLE001 - the bench runs without DCP
         print(f"no DCP async_save: {e}")
