@@ -25,7 +25,8 @@ class Hasher:
 
     A CPU tensor of at least ``2 * PARALLEL_MIN`` bytes is split into up to ``threads`` pieces
     of at least ``PARALLEL_MIN`` bytes, hashed into one result by the executor and the caller
-    (which takes the pieces no I/O thread has started); anything smaller is hashed on the calling thread, and a device tensor by its kernels.
+    (which takes the pieces no I/O thread has started); anything smaller is hashed on the calling
+    thread, and a device tensor by its kernels.
 
     Args:
         executor: the save's worker threads; None hashes everything on the calling thread.
