@@ -1,9 +1,9 @@
 """The control plane of a save at scale, simulated in one process: W ranks x T tensors.
 
 Drives the package's own control-plane code without processes or I/O: ``plan_local``,
-``write_items`` and ``summarize`` (scan summaries) on the ranks run in full (``--full``: the
-coordinator and one other rank by default), the coordinator's ``GlobalPlanner``, ``decide``,
-``build_manifest`` and ``encode_record`` (the root record and the part tables), then
+``write_items``, ``summarize`` and ``ScanSummary`` (scans) and ``part_table`` (each writing rank's own part
+table) on the ranks run in full (``--full``: the coordinator and one other rank by default), the
+coordinator's ``GlobalPlanner``, ``decide`` and ``record_root`` (the root record), then
 ``parse_manifest`` (the root alone, as ``ls`` reads it) and every part table, as a restore or
 ``load`` of every tensor reads and checks them. The other ranks exist only as the messages they
 send (their local plans made from the job's layout, equal to what ``plan_local`` makes of their
@@ -49,21 +49,21 @@ import xxhash
 
 from deltackpt import Shard, cli
 from deltackpt.format import dtypes
-from deltackpt.format.encodings import FULL, choose, dense_chunk_elems, in_pack
+from deltackpt.format.encodings import choose, dense_chunk_elems, in_pack
 from deltackpt.format.layout import commit_key, pack_name
 from deltackpt.format.limits import BLOSC_HEADER
 from deltackpt.format.manifest import ChunkMap, Manifest
 from deltackpt.format.record_checks import parse_manifest
-from deltackpt.format.record_io import TableReader, checksum, encode_record
+from deltackpt.format.record_io import TableReader, checksum
 from deltackpt.format.zarr_meta import array_doc
 from deltackpt.policy import BasePolicy, ChainState, EveryK
-from deltackpt.save.commit import build_manifest
-from deltackpt.save.decide import counts, decide
+from deltackpt.save.commit import part_table, record_root
+from deltackpt.save.decide import aligned_keys, counts, decide
 from deltackpt.save.local import plan_local, write_items
 from deltackpt.save.planner import (Assignment, GlobalPlan, GlobalPlanner, ItemInfo, LocalPlan, PartPlan,
                                     PlanRequest)
-from deltackpt.save.scan import PartScan, summarize
-from deltackpt.save.types import Committed, Kind, LocalState, SavePlan, WriteItem, WriteResult
+from deltackpt.save.scan import PartScan, ScanSummary, summarize
+from deltackpt.save.types import Committed, Kind, LocalState, SavePlan, WriteItem, WriteResult, Written
 from deltackpt.sharding import Box
 from deltackpt.storage.local import LocalStorage
 from deltackpt.store import Store
@@ -171,12 +171,6 @@ def changed_share(share: float) -> Changed:
 # -- what the writers would have written --------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=4096)
-def _doc_entry(shape: tuple[int, ...], chunks: tuple[int, ...], dtype: torch.dtype) -> tuple[int, str]:
-    doc = array_doc(shape, chunks, dtype)
-    return len(doc), xxhash.xxh3_64_hexdigest(doc)
-
-
 def _stored(decoded: int, coded: bool) -> int:
     """A chunk's stored size: raw, or a blosc chunk that could not compress (its largest size)."""
     return decoded + BLOSC_HEADER if coded else decoded
@@ -188,9 +182,8 @@ def _stand_in(*names: object) -> str:
 
 
 def written(save: SavePlan, rank: int, items: tuple[WriteItem, ...], held: Mapping[tuple[str, str], int],
-            sizes: tuple[int, int], *, plan: GlobalPlan | None) -> WriteResult:
-    """What ``rank``'s writers report for ``items``, holding ``held`` rows or chunks (and the
-    coordinator, which passes ``plan``, for the metadata)."""
+            sizes: tuple[int, int]) -> WriteResult:
+    """What ``rank``'s writers report for ``items``, holding ``held`` rows or chunks."""
     files: dict[tuple[str, str], ChunkMap] = {}
     pack_size = 0
     for it in items:
@@ -209,15 +202,6 @@ def written(save: SavePlan, rank: int, items: tuple[WriteItem, ...], held: Mappi
                 chunks[name] = (size, _stand_in(it.key, it.part.path, name), pack_size)
                 pack_size += size
         files[(it.key, it.part.path)] = chunks
-    if plan is not None and save.kind == Kind.BASE:
-        for tp in plan.tensors.values():
-            dtype = dtypes.from_name(tp.dtype)
-            for p in tp.parts:
-                cs = FULL.chunk_shape(p.box.shape, dtype.itemsize, p.box.shape[0] if p.box.shape else 1, sizes,
-                                      None)
-                if in_pack(p.box.shape, dtype.itemsize, cs):
-                    continue
-                files.setdefault((tp.key, p.path), {})["zarr.json"] = _doc_entry(p.box.shape, cs, dtype)
     packs: dict[str, ChunkMap] = {}
     if pack_size:
         doc = array_doc((pack_size,), (pack_size,), torch.uint8, raw=True)
@@ -298,17 +282,22 @@ class Ranks:
             raise ValueError("the coordinator (rank 0) runs in full, and other ranks need plan_of")
         self.locals: dict[int, LocalState] = {}  # the last local state of each rank run in full
 
-    def each(self, fn: Callable[[int], Any], *, timed: bool = True) -> Iterator[tuple[int, Any, float]]:
-        """``fn(rank)`` on every rank, with its seconds (0 on ranks not run in full)."""
+    def each(self, fn: Callable[[int], Any], *, timed: bool = False) -> Iterator[tuple[int, Any, float]]:
+        """``fn(rank)`` on every rank, with its seconds (0 on ranks not run in full); ``timed``:
+        ``fn`` returns its value and the seconds it counts."""
         for r in range(self.world):
             t0 = time.perf_counter()
             out = fn(r)
-            yield r, out, (time.perf_counter() - t0) if timed and r in self.full else 0.0
+            seconds = time.perf_counter() - t0
+            if timed:
+                out, seconds = out
+            yield r, out, seconds if r in self.full else 0.0
 
-    def gather(self, run: Run, name: str, fn: Callable[[int], Any]) -> list[Any]:
-        """Every rank's ``fn(rank)``, as the coordinator receives it (unpickled there)."""
+    def gather(self, run: Run, name: str, fn: Callable[[int], Any], *, timed: bool = False) -> list[Any]:
+        """Every rank's ``fn(rank)``, as the coordinator receives it (unpickled there); see
+        :meth:`each` for ``timed``."""
         received, sizes, seconds, unpickle = [], [], {}, 0.0
-        for r, value, s in self.each(fn):
+        for r, value, s in self.each(fn, timed=timed):
             message = pickle.dumps((True, value))
             t0 = time.perf_counter()
             received.append(pickle.loads(message)[1])
@@ -392,31 +381,41 @@ def simulate(world: int, state_of: StateOf, *, changed: Changed, sizes: tuple[in
         seconds = {r: s for r, _, s in ranks.each(lambda r: ranks.items(plan, r, assigned[r].parts))}
         run.add(Phase(f"{step}: write_items", "every rank", seconds[0], max(v for r, v in seconds.items() if r)
                       if world > 1 else 0.0))
-        # scan, on every rank: a summary of each part it writes, to the coordinator.
-        scans = ranks.gather(run, f"{step}: scan", lambda r: _scan(
-            ranks.items(plan, r, assigned[r].parts), changed if head is not None else None, sizes))
-        everyone = [x for per in scans for x in per]
-        save, s = _timed(lambda: decide(policy, head, chain, plan, everyone, step=step, attempt=f"{step}-sim"))
+        # scan, on every rank: what changed in each part it writes, summed up for the coordinator.
+        def scans_of(r: int) -> list[PartScan]:
+            return _scan(ranks.items(plan, r, assigned[r].parts), changed if head is not None else None, sizes)
+
+        summaries = ranks.gather(run, f"{step}: scan", lambda r: ScanSummary.of(scans_of(r)))
+        save, s = _timed(lambda: decide(policy, head, chain, plan, summaries, step=step, attempt=f"{step}-sim"))
         _scatter(run, f"{step}: decide", [save] * world, s)
         ranks.gather(run, f"{step}: stage", lambda r: None)
         _scatter(run, f"{step}: stage (outcome)", [None] * world, 0.0)
 
-        def result(r: int) -> WriteResult:
-            items = ranks.items(plan, r, assigned[r].parts)
-            return written(save, r, items, counts(save.kind, ((i.key, i.part) for i in items), scans[r]), sizes,
-                           plan=plan if r == 0 else None)
+        # write: each rank's part table of what its writers wrote (timed), its listing to the coordinator.
+        tables: dict[int, bytes] = {}
 
-        results = ranks.gather(run, f"{step}: write results", result)
-        record, s = _timed(lambda: build_manifest(
-            save, plan, counts(save.kind, plan.parts(), everyone), results, head=head, world_size=world,
-            policy={"name": policy.name, "decision": str(save.kind), "reason": save.reason}, sizes=sizes))
-        del results, scans, everyone
-        run.add(Phase(f"{step}: build_manifest", "coordinator", s))
-        (root, tables), s = _timed(lambda: encode_record(record))
+        def table(r: int) -> tuple[Written, float]:
+            items = ranks.items(plan, r, assigned[r].parts)
+            scans = scans_of(r)  # kept by the rank since its scan
+            held = counts(save.kind, ((i.key, i.part) for i in items), scans)
+            result = written(save, r, items, held, sizes)
+            shapes = {it.key: plan.tensors[it.key].global_shape for it in items}
+            (data, sent), s = _timed(lambda: part_table(save, r, items, assigned[r].index, shapes, held, result,
+                                                         sizes, {s.key for s in scans if s.aligned}))
+            if data is not None:
+                tables[r] = data
+            return sent, s  # the table alone: the writes are made up
+
+        sent = ranks.gather(run, f"{step}: part table (write)", table, timed=True)
+        root, s = _timed(lambda: record_root(
+            save, plan, sent, head=head, world_size=world,
+            policy={"name": policy.name, "decision": str(save.kind), "reason": save.reason},
+            aligned=aligned_keys(summaries)))
         table_bytes = sum(len(t) for t in tables.values())
-        run.add(Phase(f"{step}: encode_record", "coordinator", s, 0.0, len(root) + table_bytes))
-        rows = sum(r.changed for r in record.tensors.values() if len(r.shape) >= 2)
-        _scatter(run, f"{step}: commit", [Committed(record.bytes_written, record.state_bytes, rows)] * world, 0.0)
+        run.add(Phase(f"{step}: record_root", "coordinator", s, 0.0, len(root)))
+        record = parse_manifest(root, commit_key(step), _reader(tables))
+        _scatter(run, f"{step}: commit", [Committed(record.bytes_written, record.state_bytes,
+                                                    sum(w.rows_changed for w in sent))] * world, 0.0)
         _readers(run, step, root, tables)
         run.table_bytes.append(table_bytes)
         head = record

@@ -205,6 +205,24 @@ class Store:
             self._remember(key, root, manifest.step, manifest.attempt)
         return done
 
+    def commit_root(self, step: int, root: bytes) -> Manifest | None:
+        """Creates the root record ``root`` of ``step`` if absent, every part table it names
+        durable already (a save's ranks each wrote their own); returns the record as parsed (its
+        parts read from the tables on first use), or None if the step exists already.
+
+        Raises:
+            ManifestError: ``root`` is not a record of ``step``.
+        """
+        key = commit_key(step)
+        manifest = parse_manifest(root, key, self.read_table)
+        if manifest.step != step:
+            raise ManifestError(f"{key}: records step {manifest.step}, not {step}")
+        if not self.storage.put_if_absent(key, root):
+            return None
+        self._manifests[step] = manifest
+        self._remember(key, root, step, manifest.attempt)
+        return manifest
+
     def holds(self, step: int, attempt: str) -> bool:
         """Whether the store holds now (read afresh, not from the cache) the record of ``step``
         saved as ``attempt``, or a base that compaction made of it as ``attempt``. Only the two

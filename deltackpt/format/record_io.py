@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import overload
 
 import xxhash
@@ -42,20 +42,29 @@ def encode_record(m: Manifest) -> tuple[bytes, dict[int, bytes]]:
     """The root record's bytes and each writing rank's part table."""
     index = {key: i for i, key in enumerate(m.tensors)}
     by_rank: dict[int, list[tuple[int, TensorRecord, PartRecord]]] = {}
-    ranks: dict[str, list[int]] = {}
+    held: dict[str, tuple[int, list[int]]] = {}
     for key, rec in m.tensors.items():
         for part in rec.parts:
             by_rank.setdefault(part.rank, []).append((index[key], rec, part))
-        ranks[key] = sorted({p.rank for p in rec.parts})
+        held[key] = (len(rec.parts), sorted({p.rank for p in rec.parts}))
     tables = {rank: encode_table(entries) for rank, entries in sorted(by_rank.items())}
+    return encode_root(m, {rank: (len(data), checksum(data)) for rank, data in tables.items()}, held), tables
+
+
+def encode_root(m: Manifest, tables: Mapping[int, tuple[int, str]],
+                held: Mapping[str, tuple[int, Sequence[int]]]) -> bytes:
+    """The root record of ``m``, whose part tables (by writing rank, their size and checksum)
+    are ``tables``; ``held`` gives each tensor's part count and the sorted ranks whose tables
+    hold its parts (``m``'s parts are not read: a save's coordinator never holds them)."""
     doc = m.root_doc()
-    for key, rec in m.tensors.items():
-        doc["tensors"][key] |= {"parts": len(rec.parts), "ranks": _ranges(ranks[key])}
-    doc["tables"] = [[rank, len(data), checksum(data)] for rank, data in tables.items()]
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode(), tables
+    for key in m.tensors:
+        parts, ranks = held[key]
+        doc["tensors"][key] |= {"parts": parts, "ranks": _ranges(ranks)}
+    doc["tables"] = [[rank, size, digest] for rank, (size, digest) in sorted(tables.items())]
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
-def _ranges(ranks: list[int]) -> list[list[int]]:
+def _ranges(ranks: Sequence[int]) -> list[list[int]]:
     """Sorted ranks as ``[first, last]`` runs: a tensor every rank wrote takes one."""
     runs: list[list[int]] = []
     for r in ranks:

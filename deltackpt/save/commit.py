@@ -1,13 +1,22 @@
-"""The commit phase of a save, on the coordinator: the step's record from every rank's files."""
+"""The commit phase of a save: each writing rank's part table, then on the coordinator the root
+record that names every table and makes the step exist.
+
+Each rank lists the parts it wrote in its own table (``steps/<attempt>/parts.<rank>``, see
+:mod:`deltackpt.format.part_tables`), writes it and makes it durable with its chunks before it
+answers; the coordinator receives only what the root holds of each rank (:class:`Written`) and
+creates the root in one create-only put once every rank answered, so no committed step names a
+missing table, and nothing the coordinator does at a commit grows with the parts.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from ..collector import paused
 from ..errors import StateError, StepExistsError, WriterConflictError
+from ..format import dtypes
 from ..format.encodings import choose, in_pack
 from ..format.layout import commit_key, pack_name
 from ..format.lossy import Lossy
@@ -19,52 +28,82 @@ from ..format.manifest import (
     PartRecord,
     TensorRecord,
 )
-from ..format.record_io import encode_record
+from ..format.part_tables import encode_table
+from ..format.record_io import checksum, encode_root
+from ..format.zarr_meta import array_doc
 from ..ops.gc import holder_chain
 from ..ops.lease import Holding
 from ..ops.lease import read as read_lease
 from ..store import Store
 from ..quantization import Rowwise
-from .decide import itemsize, tensor_bytes
+from .decide import tensor_bytes
 from .planner import GlobalPlan
-from .types import Kind, SavePlan, WriteResult
+from .stage import described
+from .types import Kind, SavePlan, WriteItem, WriteResult, Written
 
 
 @paused()
-def build_manifest(save: SavePlan, plan: GlobalPlan, changed: Mapping[tuple[str, str], int],
-                   results: list[WriteResult], *, head: Manifest | None, world_size: int,
-                   policy: dict[str, Any], sizes: tuple[int, int],
-                   restores: int | None = None, aligned: Collection[str] = ()) -> Manifest:
-    """The commit record of a save: every part of ``plan``, holding ``changed`` rows or chunks
-    (by tensor key and part path), with the chunks every rank wrote for it, and the files of
-    every pack; each lossy tensor's scheme and bounds, and with ``restores`` (the checkpointer
-    has ``quantize=``) the quantization decisions, in a format-5 record. ``aligned``: the 1-d
-    tensors whose changes are rows (see :class:`~deltackpt.save.scan.PartScan`)."""
+def part_table(save: SavePlan, rank: int, items: Sequence[WriteItem], index: Sequence[int],
+               shapes: Mapping[str, tuple[int, ...]], held: Mapping[tuple[str, str], int],
+               result: WriteResult, sizes: tuple[int, int], aligned: Collection[str] = ()
+               ) -> tuple[bytes | None, Written]:
+    """A writing rank's part table and what it tells the coordinator: each part of ``items`` (the
+    parts it writes, each tensor's place in the root ``index`` and its global shape in
+    ``shapes``), holding ``held`` rows or chunks, with the chunks ``result`` lists and the zarr
+    metadata the coordinator wrote for it (see :func:`~deltackpt.save.stage.describe`). The table
+    is None for a rank that writes no part. ``aligned``: this rank's 1-d tensors whose changes
+    are rows (see :class:`~deltackpt.save.scan.PartScan`)."""
+    entries = []
+    files = 0
+    rows = 0
+    for it, i in zip(items, index):
+        key, part, t = it.key, it.part, it.tensor
+        rule = save.quantize[key].rule if key in save.quantize else None
+        enc = choose(save.kind, shapes[key], rule is not None, key in aligned)
+        changed = held[(key, part.path)]
+        cs = enc.chunk_shape(part.box.shape, t.element_size(), changed, sizes, rule)
+        chunks: ChunkMap = dict(result.files.get((key, part.path), {}))
+        for a in described(save.kind, t.dtype, shapes[key], part.box.shape, sizes):
+            if not a.name:  # the part's own array (the only one of a base's part)
+                doc = array_doc(a.shape, a.chunk_shape, a.dtype, raw=not a.coded)
+                chunks["zarr.json"] = (len(doc), checksum(doc))
+        # A part without chunks (nothing changed, or no elements) is in no pack.
+        packed = bool(chunks) and (save.kind == Kind.DELTA or in_pack(part.box.shape, t.element_size(), cs))
+        files += sum(e[0] for e in chunks.values() if len(e) == 2)
+        rows += changed if t.dim() >= 2 else 0
+        entries.append((i, TensorRecord(dtypes.name(t.dtype), shapes[key], enc, ()),
+                        PartRecord(part.box.offset, part.box.shape, part.path, cs, changed, chunks,
+                                   pack_name(rank) if packed else None, rank)))
+    table = encode_table(entries) if entries else None
+    files += sum(e[0] for chunks in result.packs.values() for e in chunks.values() if len(e) == 2)
+    return table, Written(None if table is None else (len(table), checksum(table)), dict(result.packs), files,
+                          rows, dict(result.bounds))
+
+
+@paused()
+def record_root(save: SavePlan, plan: GlobalPlan, written: Sequence[Written], *, head: Manifest | None,
+                world_size: int, policy: dict[str, Any], restores: int | None = None,
+                aligned: Collection[str] = ()) -> bytes:
+    """The root record of a save: every tensor of ``plan`` (its parts are in the tables of the
+    ranks that wrote them, which ``written`` lists by rank), each lossy tensor's scheme and
+    bounds, and with ``restores`` (the checkpointer has ``quantize=``) the quantization
+    decisions, in a format-5 record. ``aligned``: the 1-d tensors whose changes are rows."""
     step, kind, attempt = save.step, save.kind, save.attempt
-    files: dict[tuple[str, str], ChunkMap] = {}
     packs: dict[str, ChunkMap] = {}
     bounds: dict[str, float] = {}
-    for r in results:
-        for where, chunks in r.files.items():
-            files.setdefault(where, {}).update(chunks)
-        packs.update(r.packs)
-        for key, bound in r.bounds.items():
+    tables: dict[int, tuple[int, str]] = {}
+    for rank, w in enumerate(written):
+        if w.table is not None:
+            tables[rank] = w.table
+        packs.update(w.packs)
+        for key, bound in w.bounds.items():
             bounds[key] = max(bounds.get(key, 0.0), bound)
     tensors = {}
     for t in plan.tensors.values():
         rule = save.quantize[t.key].rule if t.key in save.quantize else None
         enc = choose(kind, t.global_shape, rule is not None, t.key in aligned)
-        parts = tuple(
-            PartRecord(p.box.offset, p.box.shape, p.path, cs,
-                       changed[(t.key, p.path)], chunks,
-                       # A part without chunks (nothing changed, or no elements) is in no pack.
-                       pack_name(p.writer) if chunks and (kind == Kind.DELTA or in_pack(
-                           p.box.shape, itemsize(t.dtype), cs)) else None, p.writer)
-            for p in t.parts
-            for cs in [enc.chunk_shape(p.box.shape, itemsize(t.dtype), changed[(t.key, p.path)], sizes, rule)]
-            for chunks in [files.get((t.key, p.path), {})]
-        )
-        tensors[t.key] = TensorRecord(t.dtype, t.global_shape, enc, parts,
+        # The parts are not held here: the root lists their count and ranks (plan.writers).
+        tensors[t.key] = TensorRecord(t.dtype, t.global_shape, enc, (),
                                       lossy_record(kind, t.key, head, rule, bounds.get(t.key, 0.0)))
     lossy = any(r.lossy is not None for r in tensors.values())
     quantize = None if restores is None else {
@@ -72,7 +111,7 @@ def build_manifest(save: SavePlan, plan: GlobalPlan, changed: Mapping[tuple[str,
     delta = head is not None and kind == Kind.DELTA
     if kind == Kind.DELTA and head is None:
         raise StateError(f"step {step}: a delta needs the step it applies to")
-    return Manifest(
+    m = Manifest(
         step=step,
         kind=kind,
         attempt=attempt,
@@ -86,13 +125,12 @@ def build_manifest(save: SavePlan, plan: GlobalPlan, changed: Mapping[tuple[str,
         tree=plan.tree,
         tensors=tensors,
         packs=packs,
-        # Files only: a packed chunk's bytes are counted in its pack's files.
-        bytes_written=sum(e[0] for chunks in [*files.values(), *packs.values()]
-                          for e in chunks.values() if len(e) == 2),
+        bytes_written=sum(w.bytes_written for w in written),
         state_bytes=sum(tensor_bytes(t) for t in plan.tensors.values()),
         quantize=quantize,
         format=LOSSY_FORMAT if lossy or restores is not None else FORMAT,
     )
+    return encode_root(m, tables, plan.writers)
 
 
 def lossy_record(kind: Kind, key: str, head: Manifest | None, rule: Rowwise | None,
@@ -105,33 +143,34 @@ def lossy_record(kind: Kind, key: str, head: Manifest | None, rule: Rowwise | No
     return Lossy(None, 0.0, carried) if carried > 0 else None
 
 
-def commit(store: Store, save: SavePlan, plan: GlobalPlan, changed: Mapping[tuple[str, str], int],
-           results: list[WriteResult], *, head: Manifest | None, world_size: int, policy: str,
-           sizes: tuple[int, int], lease: Holding | None,
+def commit(store: Store, save: SavePlan, plan: GlobalPlan, written: Sequence[Written], *,
+           head: Manifest | None, world_size: int, policy: str, lease: Holding | None,
            restores: int | None = None, aligned: Collection[str] = ()) -> Manifest | None:
-    """Coordinator: the commit record from every rank's files (see :func:`build_manifest`),
-    created only if absent while ``lease`` holds, and kept only if ``lease`` still holds and the
-    parent is still there once the record exists. None when the parent was gone (nothing is committed then).
+    """Coordinator: the root record of every rank's part table (see :func:`record_root`; each
+    rank made its own durable before it answered), created only if absent while ``lease``
+    holds, and kept only if ``lease`` still holds and the parent is still there once the record
+    exists. The record as a reader parses it (its parts read from the tables on first use), or
+    None when the parent was gone (nothing is committed then).
 
     Raises:
         WriterConflictError: another writer took the lease over (the record is withdrawn unless
             the new holder builds on it, see :func:`withdraw`).
         StepExistsError: another writer committed the step meanwhile.
     """
-    manifest = build_manifest(
-        save, plan, changed, results, head=head, world_size=world_size,
-        policy={"name": policy, "decision": str(save.kind), "reason": save.reason}, sizes=sizes,
-        restores=restores, aligned=aligned)
+    root = record_root(save, plan, written, head=head, world_size=world_size,
+                       policy={"name": policy, "decision": str(save.kind), "reason": save.reason},
+                       restores=restores, aligned=aligned)
     if lease is None:
         raise StepExistsError(f"step {save.step}: the coordinator holds no writer lease")
     lease.check()
-    if not store.commit(manifest):
+    manifest = store.commit_root(save.step, root)
+    if manifest is None:
         lease.check()
         raise StepExistsError(f"step {save.step} was committed by another writer meanwhile")
     try:
         lease.check()
     except WriterConflictError:
-        withdraw(store, manifest)
+        withdraw(store, manifest, root)
         raise
     if (manifest.parent is not None and manifest.parent_attempt is not None
             and not store.holds(manifest.parent, manifest.parent_attempt)):
@@ -140,13 +179,13 @@ def commit(store: Store, save: SavePlan, plan: GlobalPlan, changed: Mapping[tupl
     return manifest
 
 
-def withdraw(store: Store, manifest: Manifest) -> None:
-    """Removes the record of a writer that was taken over between its lease checks, unless the
-    new holder builds on it. The new holder publishes its head before it checks that the head
-    exists; this reads the lease before and after removing the record, and puts the record back
-    if the new holder's chain took it in meanwhile."""
+def withdraw(store: Store, manifest: Manifest, root: bytes) -> None:
+    """Removes the record (``root``, its bytes) of a writer that was taken over between its
+    lease checks, unless the new holder builds on it. The new holder publishes its head before
+    it checks that the head exists; this reads the lease before and after removing the record,
+    and puts the record back if the new holder's chain took it in meanwhile."""
     key = commit_key(manifest.step)
-    mine = {key: encode_record(manifest)[0]}  # read from here once removed
+    mine = {key: root}  # read from here once removed
 
     def built_on() -> bool:
         holder = read_lease(store.storage)[1]

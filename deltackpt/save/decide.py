@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -16,15 +16,16 @@ from ..policy import BasePolicy, ChainState
 from ..quantization import Choice
 from ..store import Store
 from .planner import GlobalPlan, PartPlan, TensorPlan
-from .scan import PartScan
+from .scan import PartScan, ScanSummary
 from .types import Kind, SavePlan
 
 
 def decide(policy: BasePolicy, head: Manifest | None, chain: ChainState, plan: GlobalPlan,
-           scans: list[PartScan], *, step: int, attempt: str, store: Store | None = None,
+           scans: Sequence[ScanSummary], *, step: int, attempt: str, store: Store | None = None,
            published: Future[None] | None = None, quantize: Mapping[str, Choice] | None = None
            ) -> SavePlan:
     """Base or delta by the policy, and why; a delta quantizes the tensors ``quantize`` names.
+    ``scans``: each rank's scans of the parts it writes, summed up, by rank.
 
     First ``published`` ends: the lease names ``head`` and ``attempt`` (GC keeps both from then
     on, see :mod:`deltackpt.ops.gc`; the saver starts that write, which takes the lease at a
@@ -34,9 +35,11 @@ def decide(policy: BasePolicy, head: Manifest | None, chain: ChainState, plan: G
     Without ``store`` and ``published`` (a simulation of the control plane) neither happens."""
     if published is not None:
         published.result()
-    split = {s.key for s in scans if s.aligned} & {s.key for s in scans if not s.aligned}
+    # A tensor is aligned on some ranks, not on others, when a rank writing a part of it did not
+    # scan it as aligned (each rank scans its tensors one way).
+    split = sorted(k for k in aligned_keys(scans) if any(k not in scans[r].aligned for r in plan.writers[k][1]))
     if split:
-        raise StateError(f"{sorted(split)[0]}: aligned with a table's rows on some ranks, not on "
+        raise StateError(f"{split[0]}: aligned with a table's rows on some ranks, not on "
                          "others; declare it aligned (Checkpointer(aligned=...)) on every rank")
     kind: Kind
     if head is not None and store is not None and not store.holds(head.step, head.attempt):
@@ -53,11 +56,16 @@ def decide(policy: BasePolicy, head: Manifest | None, chain: ChainState, plan: G
     return SavePlan(step, kind, reason, attempt, dict(quantize or {}) if kind == Kind.DELTA else {})
 
 
+def aligned_keys(scans: Sequence[ScanSummary]) -> set[str]:
+    """The tensors some rank scanned as aligned."""
+    return set().union(*(s.aligned for s in scans))
+
+
 def counts(kind: Kind, parts: Iterable[tuple[str, PartPlan]], scans: Iterable[PartScan]
            ) -> dict[tuple[str, str], int]:
     """Rows or chunks each part holds in a step of ``kind``, by (tensor key, part path): in a
-    base every row of ``parts``, in a delta what ``scans`` found changed. A rank passes its own
-    parts and scans; the coordinator every part and every rank's scans, for the record."""
+    base every row of ``parts``, in a delta what ``scans`` found changed: of the parts a rank
+    writes, given with its own scans."""
     if kind == Kind.BASE:
         return {(key, p.path): p.box.shape[0] if p.box.shape else 1 for key, p in parts}
     return {(s.key, s.path): s.changed for s in scans}

@@ -14,6 +14,7 @@ the coordinator receives anything that grows with the world.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import pickle
@@ -80,12 +81,22 @@ class GlobalPlan:
         """Every part, with its tensor's key."""
         return ((t.key, p) for t in self.tensors.values() for p in t.parts)
 
-    def by_writer(self, world_size: int) -> list[tuple[tuple[str, PartPlan], ...]]:
-        """The parts each rank writes, with their tensors' keys, by rank (one pass)."""
-        out: list[list[tuple[str, PartPlan]]] = [[] for _ in range(world_size)]
-        for key, p in self.parts():
-            out[p.writer].append((key, p))
-        return [tuple(parts) for parts in out]
+    def by_writer(self, world_size: int) -> list[tuple[tuple[tuple[str, PartPlan], ...], tuple[int, ...]]]:
+        """The parts each rank writes, with their tensors' keys, and each part's tensor's place
+        in :attr:`tensors` (its index in the root record), by rank (one pass)."""
+        out: list[tuple[list[tuple[str, PartPlan]], list[int]]] = [([], []) for _ in range(world_size)]
+        for i, t in enumerate(self.tensors.values()):
+            for p in t.parts:
+                parts, index = out[p.writer]
+                parts.append((t.key, p))
+                index.append(i)
+        return [(tuple(parts), tuple(index)) for parts, index in out]
+
+    @functools.cached_property
+    def writers(self) -> dict[str, tuple[int, list[int]]]:
+        """Each tensor's part count and the sorted ranks that write its parts (what the root
+        record lists of its parts), made once per plan."""
+        return {t.key: (len(t.parts), sorted({p.writer for p in t.parts})) for t in self.tensors.values()}
 
 
 @dataclass(frozen=True)
@@ -112,6 +123,7 @@ class Assignment:
 
     tag: str
     parts: tuple[tuple[str, PartPlan], ...]
+    index: tuple[int, ...]  # each part's tensor's place in the plan (in the root record)
 
 
 def make_global_plan(local_plans: list[LocalPlan], tree: dict) -> GlobalPlan:
@@ -194,7 +206,7 @@ class GlobalPlanner:
         self._world_size = world_size
         self._local_plans: dict[int, LocalPlan] = {}  # the ranks' last local plans
         self._plan: tuple[tuple[str, ...], str, GlobalPlan] | None = None  # digests, tag, plan
-        self._by_writer: list[tuple[tuple[str, PartPlan], ...]] = []
+        self._by_writer: list[tuple[tuple[tuple[str, PartPlan], ...], tuple[int, ...]]] = []
 
     @property
     def plan(self) -> GlobalPlan:
@@ -232,5 +244,5 @@ class GlobalPlanner:
             tag = hashlib.sha256("/".join(digests).encode()).hexdigest()[:16]
             self._plan, self._by_writer = (digests, tag, plan), plan.by_writer(self._world_size)
         tag = self._plan[1]
-        return [None if r.holds == tag else Assignment(tag, self._by_writer[rank])
+        return [None if r.holds == tag else Assignment(tag, *self._by_writer[rank])
                 for rank, r in enumerate(sent)]

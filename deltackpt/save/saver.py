@@ -22,6 +22,7 @@ from ..collectives import Collective
 from ..collector import paused
 from ..errors import BrokenChainError, StateError, StepExistsError
 from ..format.layout import STEPS
+from ..format.record_io import table_key
 from ..format.manifest import Manifest
 from ..io.staging import StagingPool
 from ..io.threads import started_pool
@@ -31,13 +32,13 @@ from ..policy import BasePolicy, ChainState
 from ..quantization import QuantizePlan
 from ..store import Store
 from ..tracking.changes import ChangeTracker, TensorChange
-from .commit import commit
-from .decide import counts, decide
+from .commit import commit, part_table
+from .decide import aligned_keys, counts, decide
 from .local import plan_local, write_items
 from .planner import Assignment, GlobalPlanner, PlanRequest
-from .scan import PartScan, scan
+from .scan import PartScan, ScanSummary, scan
 from .stage import open_writer, stage, write
-from .types import Committed, Kind, LocalState, SaveInfo, SavePlan, WriteItem, WriteResult
+from .types import Committed, Kind, LocalState, SaveInfo, SavePlan, WriteItem, WriteResult, Written
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class Saver:
         self._local: LocalState | None = None  # this rank's last local state
         self._planner = GlobalPlanner(coll.size)  # used on the coordinator only
         self._assignment: Assignment | None = None  # the parts this rank writes
+        self._shapes: dict[str, tuple[int, ...]] = {}  # global shapes of its tensors, under that plan
         self._lease = lease.Claim(store.storage, ttl=lease_ttl, take_over=take_over)
         self._packer = started_pool(1, "deltackpt-pack")  # appends a delta's gathered rows
 
@@ -86,20 +88,20 @@ class Saver:
         storage = self.store.storage
         coordinator = self._coll.is_coordinator
         items = self._write_items(step, state)
-        everyone: list[PartScan] = []  # the coordinator's: every rank's scans, for the record
+        aligned: set[str] = set()  # the coordinator's: the tensors scanned as aligned, for the record
         attempt = self.store.new_attempt(step)  # used on the coordinator only
         published = self._publish(attempt) if coordinator else None
 
-        def decide_now(scans: list[list[PartScan]]) -> SavePlan:
+        def decide_now(scans: list[ScanSummary]) -> SavePlan:
             plan = self._planner.plan  # on the coordinator
-            everyone.extend(s for per_rank in scans for s in per_rank)
-            return decide(self.policy, self._head, self._chain, plan, everyone, step=step,
+            aligned.update(aligned_keys(scans))
+            return decide(self.policy, self._head, self._chain, plan, scans, step=step,
                           attempt=attempt, store=self.store, published=published,
                           quantize=self._quantize.choices(plan.tensors))
 
-        def scan_here() -> tuple[list[PartScan], tuple[list[PartScan], Mapping[str, TensorChange]]]:
+        def scan_here() -> tuple[ScanSummary, tuple[list[PartScan], Mapping[str, TensorChange]]]:
             scans, changes = scan(self._tracker, items, self._quantize)
-            return scans, (scans, changes)
+            return ScanSummary.of(scans), (scans, changes)
 
         try:
             save, (mine, changes) = self._coll.gather("scan", scan_here, decide_now, then_phase="decide")
@@ -122,8 +124,11 @@ class Saver:
         tensors = {it.key: it.tensor for it in items}
         if save.kind == Kind.BASE:  # hashed now, as staged: the background may run on after
             staged = self._tracker.hash_whole(tensors, staged)
-        record = partial(self._commit, save, everyone)
-        return partial(self._write_and_commit, save, record, writers, tensors, staged, t0)
+        assert self._assignment is not None  # _write_items set it
+        table = partial(part_table, save, self._coll.rank, items, self._assignment.index, self._shapes, held,
+                        sizes=self._sizes, aligned={s.key for s in mine if s.aligned})
+        record = partial(self._commit, save, aligned)
+        return partial(self._write_and_commit, save, table, record, writers, tensors, staged, t0)
 
     def _publish(self, attempt: str) -> Future[None]:
         """Coordinator: starts writing the head and ``attempt`` into the lease on an I/O thread
@@ -132,13 +137,22 @@ class Saver:
         head = None if self._head is None else (self._head.step, self._head.attempt)
         return self._executor.submit(self._lease.publish, head, attempt)
 
-    def _write_and_commit(self, save: SavePlan, record: Callable[[list[WriteResult]], Committed],
-                          writers: list[StepWriter], tensors: dict[str, torch.Tensor],
-                          staged: dict[str, TensorChange], t0: float, blocked: float | None) -> SaveInfo:
-        """The phases after ``stage``, on the caller's thread or in the background: every rank's
-        write results go to the coordinator alone, which commits and tells every rank what."""
+    def _write_and_commit(self, save: SavePlan, table: Callable[[WriteResult], tuple[bytes | None, Written]],
+                          record: Callable[[list[Written]], Committed], writers: list[StepWriter],
+                          tensors: dict[str, torch.Tensor], staged: dict[str, TensorChange], t0: float,
+                          blocked: float | None) -> SaveInfo:
+        """The phases after ``stage``, on the caller's thread or in the background: every rank
+        writes its part table once its chunks are written (``table`` makes it of what was
+        written), makes both durable and sends the coordinator alone what the root needs of it;
+        the coordinator commits and tells every rank what."""
         storage = self.store.storage
-        done, _ = self._coll.gather("write", lambda: (write(storage, writers), None), record,
+        key = table_key(save.attempt, self._coll.rank)
+
+        def files(result: WriteResult) -> tuple[dict[str, bytes], Written]:
+            data, sent = table(result)
+            return ({} if data is None else {key: data}), sent
+
+        done, _ = self._coll.gather("write", lambda: (write(storage, writers, files), None), record,
                                     then_phase="commit")
         self._advance(save.kind, done, tensors, staged)
         seconds = time.perf_counter() - t0
@@ -151,20 +165,19 @@ class Saver:
         return info
 
     @paused()
-    def _commit(self, save: SavePlan, scans: list[PartScan], results: list[WriteResult]) -> Committed:
-        """Coordinator: the commit record of every rank's ``results``; it becomes the head. (The
-        plan is the one ``save`` was staged under: the next save stages after this commit.)
+    def _commit(self, save: SavePlan, aligned: set[str], written: list[Written]) -> Committed:
+        """Coordinator: the root record of every rank's part table (``written``); it becomes the
+        head. (The plan is the one ``save`` was staged under: the next save stages after this
+        commit.)
 
         Raises:
             BrokenChainError: the record was withdrawn, its parent gone after ``decide`` looked
                 (a fenced writer's); the next save writes a base.
         """
-        plan = self._planner.plan
         manifest = commit(
-            self.store, save, plan, counts(save.kind, plan.parts(), scans), results, head=self._head,
-            world_size=self._coll.size, sizes=self._sizes, policy=self.policy.name,
-            lease=self._lease.holding, restores=self._quantize.recorded_restores,
-            aligned={s.key for s in scans if s.aligned})
+            self.store, save, self._planner.plan, written, head=self._head, world_size=self._coll.size,
+            policy=self.policy.name, lease=self._lease.holding, restores=self._quantize.recorded_restores,
+            aligned=aligned)
         if manifest is None:
             parent, self._head = self._head, None
             raise BrokenChainError(save.step, parent.step if parent is not None else -1,
@@ -172,8 +185,7 @@ class Saver:
                                    "committed and the next save writes a base")
         if save.kind == Kind.BASE or not getattr(self.policy, "differential", False):
             self._head = manifest
-        rows = sum(r.changed for r in manifest.tensors.values() if len(r.shape) >= 2)
-        return Committed(manifest.bytes_written, manifest.state_bytes, rows)
+        return Committed(manifest.bytes_written, manifest.state_bytes, sum(w.rows_changed for w in written))
 
     def _write_items(self, step: int, state: Mapping[str, Any]) -> tuple[WriteItem, ...]:
         """``plan_local`` and ``plan_global``: this rank's local plan goes to the coordinator
@@ -189,6 +201,7 @@ class Saver:
         self._sent_digest = local.digest
         if assignment is not None:
             self._assignment = assignment
+            self._shapes = {it.key: it.global_shape for it in local.plan.items}
         if self._assignment is None:
             raise StateError("no plan: the coordinator sent none for a first save")
         return write_items(self._assignment.parts, local)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +34,27 @@ class PartScan:
     changed: int
     delta_bytes: int
     aligned: bool = False
+
+
+@dataclass(frozen=True)
+class ScanSummary:
+    """What the coordinator needs of one rank's scans (see :func:`~deltackpt.save.decide.decide`):
+    a few bytes however many parts the rank writes.
+
+    Attributes:
+        complete: every part had something to compare with (else a base is due).
+        delta_bytes: what a delta of the parts writes, about.
+        aligned: the tensors whose parts the rank scanned as aligned (see :class:`PartScan`).
+    """
+
+    complete: bool
+    delta_bytes: int
+    aligned: frozenset[str]
+
+    @classmethod
+    def of(cls, scans: Sequence[PartScan]) -> ScanSummary:
+        return cls(all(s.complete for s in scans), sum(s.delta_bytes for s in scans),
+                   frozenset(s.key for s in scans if s.aligned))
 
 
 def summarize(key: str, path: str, t: torch.Tensor, change: TensorChange,

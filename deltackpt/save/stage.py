@@ -14,14 +14,15 @@ so the coordinator and the rank that writes a part's chunks agree on the chunk g
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import replace
+from typing import TypeVar
 
 import torch
 
 from ..format import dtypes
-from ..format.encodings import FULL, choose, in_pack
+from ..format.encodings import FULL, Array, choose, in_pack
 from ..format.layout import STEPS, pack_name, part_folder
 from ..format.manifest import ChunkMap
 from ..io.staging import StagingPool
@@ -32,6 +33,8 @@ from ..tracking.changes import NO_IDS, SMALL_TENSOR_BYTES, TensorChange, is_row_
 from .planner import GlobalPlan
 from .types import Kind, SavePlan, WriteItem, WriteResult
 
+T = TypeVar("T")
+
 
 def describe(writer: StepWriter, save: SavePlan, plan: GlobalPlan, sizes: tuple[int, int]) -> None:
     """Coordinator: queues the zarr metadata of every array and group of the step (of a base's
@@ -40,18 +43,27 @@ def describe(writer: StepWriter, save: SavePlan, plan: GlobalPlan, sizes: tuple[
     if save.kind == Kind.BASE:
         for t in plan.tensors.values():
             dtype = dtypes.from_name(t.dtype)
-            enc = choose(save.kind, t.global_shape, False)
             for p in t.parts:
-                rows = p.box.shape[0] if p.box.shape else 1
-                cs = enc.chunk_shape(p.box.shape, dtype.itemsize, rows, sizes, None)
-                if in_pack(p.box.shape, dtype.itemsize, cs):
-                    continue
-                for a in enc.arrays(dtype, p.box.shape, cs, rows):
+                arrays = described(save.kind, dtype, t.global_shape, p.box.shape, sizes)
+                for a in arrays:
                     writer.array(t.key, f"{p.path}/{a.name}".strip("/"), a.shape, a.chunk_shape, a.dtype,
                                  raw=not a.coded)
-                names = part_folder(t.key, p.path).split("/")
-                folders.update("/".join(names[:i]) for i in range(1, len(names)))
+                if arrays:
+                    names = part_folder(t.key, p.path).split("/")
+                    folders.update("/".join(names[:i]) for i in range(1, len(names)))
     writer.groups(sorted(folders))
+
+
+def described(kind: Kind, dtype: torch.dtype, global_shape: tuple[int, ...], shape: tuple[int, ...],
+              sizes: tuple[int, int]) -> tuple[Array, ...]:
+    """The arrays of a part of ``shape`` whose zarr metadata :func:`describe` writes: those of a
+    base's part that is not packed; none of a packed part or a delta's."""
+    if kind != Kind.BASE:
+        return ()
+    enc = choose(kind, global_shape, False)
+    rows = shape[0] if shape else 1
+    cs = enc.chunk_shape(shape, dtype.itemsize, rows, sizes, None)
+    return () if in_pack(shape, dtype.itemsize, cs) else enc.arrays(dtype, shape, cs, rows)
 
 
 def stage_part(writer: StepWriter, kind: Kind, item: WriteItem, change: TensorChange, n: int,
@@ -121,8 +133,11 @@ def _packed(item: WriteItem, sizes: tuple[int, int]) -> bool:
     return in_pack(shape, itemsize, FULL.chunk_shape(shape, itemsize, rows, sizes, None))
 
 
-def write(storage: Storage, writers: list[StepWriter]) -> WriteResult:
-    """Waits for every staged write and makes the files durable.
+def write(storage: Storage, writers: list[StepWriter],
+          record: Callable[[WriteResult], tuple[Mapping[str, bytes], T]]) -> T:
+    """Waits for every staged write, writes the files that ``record`` makes of what was written
+    (the rank's part table) and makes every file durable; returns what ``record`` returns beside
+    its files.
 
     Raises:
         StoreError: a write failed (after every write ended).
@@ -140,7 +155,12 @@ def write(storage: Storage, writers: list[StepWriter]) -> WriteResult:
                 bounds[key] = max(bounds.get(key, 0.0), bound)
         except BaseException as e:  # noqa: BLE001 - every writer must end before raising
             error = error or e
-    storage.sync([k for w in writers for k in w.written])
+    written = [k for w in writers for k in w.written]
     if error is not None:
+        storage.sync(written)
         raise error
-    return WriteResult(files, packs, bounds)
+    more, out = record(WriteResult(files, packs, bounds))
+    for key, data in more.items():
+        storage.write(key, [memoryview(data)])
+    storage.sync([*written, *more])
+    return out

@@ -2,7 +2,8 @@
 
 ``plan_local`` makes a :class:`LocalState`; the global plan gives each rank its
 :class:`WriteItem` s; ``scan`` finds what changed in them; ``decide`` makes the :class:`SavePlan`;
-``stage`` and ``write`` turn it into a :class:`WriteResult` per rank; ``commit`` makes the record.
+``stage`` and ``write`` turn it into a :class:`WriteResult` per rank, which writes its part table
+and sends the coordinator what the root record needs (:class:`Written`); ``commit`` makes the root.
 """
 
 from __future__ import annotations
@@ -91,6 +92,26 @@ class WriteResult:
 
     files: Mapping[tuple[str, str], ChunkMap]
     packs: Mapping[str, ChunkMap]
+    bounds: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a rank sends the coordinator once its files and its part table are durable: all
+    that the root record needs of it (the parts it wrote stay in its table).
+
+    Attributes:
+        table: its part table's size and xxh3-64 hex digest (None: it writes no part).
+        packs: its pack's files, as in :attr:`WriteResult.packs`.
+        bytes_written: bytes of its files (a packed chunk's are its pack's).
+        rows_changed: rows it wrote of row-sparse tensors.
+        bounds: the largest error bound of the quantized rows it wrote, per tensor.
+    """
+
+    table: tuple[int, str] | None
+    packs: Mapping[str, ChunkMap]
+    bytes_written: int
+    rows_changed: int
     bounds: Mapping[str, float] = field(default_factory=dict)
 
 

@@ -180,3 +180,17 @@ def test_ranks_simulated_by_their_messages_give_the_plans_and_records_of_ranks_r
     assert runs[0].rank_received(2) == runs[1].rank_received(2)
     with pytest.raises(ValueError):
         sim.simulate(job.world, job.state, changed=sim.changed_share(0.1), full={1, 2}, plan_of=job.local_plan)
+
+
+def test_each_rank_sends_the_coordinator_its_table_listing_not_its_parts():
+    # The write phase's message (a part table's size and checksum, the pack's files, totals) stays
+    # the same size when each rank writes four times the parts; the tables grow instead.
+    runs = {t: sim.simulate(8, sim.Job(world=8, tensors=t, col_group=4).state, changed=sim.changed_share(0.1))
+            for t in (20, 80)}
+    write = {t: [p for p in run.phases if p.name.endswith("part table (write)")] for t, run in runs.items()}
+    for t in runs:
+        assert [p.sent_max < 400 for p in write[t]] == [True, True], (t, [p.sent_max for p in write[t]])
+    assert all(a.sent_max < 1.2 * b.sent_max for a, b in zip(write[80], write[20]))
+    assert runs[80].table_bytes[1] > 3 * runs[20].table_bytes[1]
+    root = [p for p in runs[80].phases if p.name.endswith("record_root")]
+    assert [p.seconds > 0 for p in root] == [True, True]
