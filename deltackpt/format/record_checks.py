@@ -243,12 +243,14 @@ def _is_count(v: Any) -> bool:
 def _tables(doc: dict[str, Any], where: str) -> dict[int, tuple[int, str]]:
     """The root's ``tables``: ``[rank, size, xxh3_64_hex]`` each, ranks ascending."""
     out: dict[int, tuple[int, str]] = {}
+    last = -1
     for entry in _field(doc, "tables", list, where):
         if (not isinstance(entry, list) or len(entry) != 3 or not _is_count(entry[0])
                 or not _is_count(entry[1]) or not isinstance(entry[2], str) or len(entry[2]) != 16
-                or (out and entry[0] <= max(out))):
+                or entry[0] <= last):
             raise ManifestError(f"{where}: field 'tables' has a bad entry {entry!r:.80}")
         out[entry[0]] = (entry[1], entry[2])
+        last = entry[0]
     return out
 
 
