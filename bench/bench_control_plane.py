@@ -349,11 +349,13 @@ def _scatter(run: Run, name: str, values: list[Any], seconds: float) -> None:
 
 def simulate(world: int, state_of: StateOf, *, changed: Changed, sizes: tuple[int, int] = DEFAULT_SIZES,
              policy: BasePolicy | None = None, progress: bool = False, full: Collection[int] | None = None,
-             plan_of: PlanOf | None = None) -> Run:
+             plan_of: PlanOf | None = None, every_table: bool = True) -> Run:
     """A base with a new layout, then a delta with the same layout, on ``world`` simulated ranks
     whose states ``state_of(rank, step)`` gives; ``changed`` says what changed in each part for the
     delta. The ranks in ``full`` (default: all; rank 0 always) run every phase on their state; the
-    others only send their messages, their local plans given by ``plan_of(rank, step)``."""
+    others only send their messages, their local plans given by ``plan_of(rank, step)``.
+    ``every_table``: time reading every part table (what a ``load`` of every tensor builds, which
+    holds every part at once)."""
     run, policy = Run(progress=progress), policy or EveryK(100)
     ranks = Ranks(world, state_of, plan_of, full, sizes)
     planner, head, chain = GlobalPlanner(world), None, ChainState(0, 0, 0)
@@ -416,7 +418,7 @@ def simulate(world: int, state_of: StateOf, *, changed: Changed, sizes: tuple[in
         record = parse_manifest(root, commit_key(step), _reader(tables))
         _scatter(run, f"{step}: commit", [Committed(record.bytes_written, record.state_bytes,
                                                     sum(w.rows_changed for w in sent))] * world, 0.0)
-        _readers(run, step, root, tables)
+        _readers(run, step, root, tables, every_table)
         run.table_bytes.append(table_bytes)
         head = record
         chain = ChainState(0, 0, record.bytes_written) if save.kind == Kind.BASE else ChainState(
@@ -424,9 +426,10 @@ def simulate(world: int, state_of: StateOf, *, changed: Changed, sizes: tuple[in
     return run
 
 
-def _readers(run: Run, step: int, root: bytes, tables: dict[int, bytes]) -> None:
+def _readers(run: Run, step: int, root: bytes, tables: dict[int, bytes], every_table: bool) -> None:
     """What readers of the record take: the root alone (``ls``), one tensor's part tables (a
-    ``load`` of one key) and every table (a restore or ``load`` of every tensor)."""
+    ``load`` of one key) and, with ``every_table``, every table (a restore or ``load`` of every
+    tensor)."""
     where = f"commits/{step}"
     parsed, s = _timed(lambda: parse_manifest(root, where, _reader(tables)))
     run.add(Phase(f"{step}: parse root (ls; reader)", "every reader", s, 0.0, 0, len(root)))
@@ -435,11 +438,12 @@ def _readers(run: Run, step: int, root: bytes, tables: dict[int, bytes]) -> None
     owners = {p.rank for p in parsed.tensors[one].parts} if one is not None else set()
     run.add(Phase(f"{step}: one tensor's part tables (load of one key; reader)", "every reader", s, 0.0,
                   0, sum(len(tables[r]) for r in owners)))
-    every = parse_manifest(root, where, _reader(tables))
-    _, s = _timed(lambda: [tuple(t.parts) for t in every.tensors.values()])
-    del every
-    run.add(Phase(f"{step}: every part table (restore, load; reader)", "every reader", s, 0.0, 0,
-                  sum(map(len, tables.values()))))
+    if every_table:
+        every = parse_manifest(root, where, _reader(tables))
+        _, s = _timed(lambda: [tuple(t.parts) for t in every.tensors.values()])
+        del every
+        run.add(Phase(f"{step}: every part table (restore, load; reader)", "every reader", s, 0.0, 0,
+                      sum(map(len, tables.values()))))
     run.records.append(parse_manifest(root, where, _reader(tables)))
     run.roots.append(root)
     run.one_tensor_tables.append(len(owners))
@@ -516,6 +520,8 @@ def main() -> None:
     ap.add_argument("--changed", type=float, default=0.01, help="share of rows/chunks a delta writes")
     ap.add_argument("--full", default="0,1",
                     help="ranks run in full, comma-separated, or 'all' (the others send their messages only)")
+    ap.add_argument("--every-table", action=argparse.BooleanOptionalAction, default=True,
+                    help="time reading every part table (a load of every tensor: it holds every part)")
     ap.add_argument("--ls-steps", type=int, default=300,
                     help="steps of a store whose `deltackpt ls` is timed (0: none)")
     ap.add_argument("--json", metavar="PATH", default=None,
@@ -527,7 +533,7 @@ def main() -> None:
     states = {r: job.state(r, 1) for r in (range(job.world) if full is None else full)}
     t0 = time.perf_counter()
     run = simulate(job.world, lambda r, _: states[r], changed=changed_share(args.changed), progress=True,
-                   full=full, plan_of=job.local_plan)
+                   full=full, plan_of=job.local_plan, every_table=args.every_table)
     parts = sum(len(t.parts) for t in run.plans[-1].tensors.values())
     text = table(run, job)
     print(text)
