@@ -188,7 +188,10 @@ class Table:
             sig = (shape, chunk_shape, changed)
             grid = grids.get(sig)
             if grid is None:
-                if any(s < 1 for s in chunk_shape) or not rec.encoding.fits(chunk_shape, shape, changed):
+                # A chunk spans at least one element along each dimension, but one the part
+                # holds none of (an empty tensor's).
+                if (any(c < 1 and (i >= len(shape) or shape[i] > 0) for i, c in enumerate(chunk_shape))
+                        or not rec.encoding.fits(chunk_shape, shape, changed)):
                     raise ManifestError(f"{label}: part {path!r}: chunk_shape {list(chunk_shape)} does "
                                         f"not fit shape {list(shape)} and encoding {rec.encoding!r}")
                 grid = grids[sig] = Grid.of(rec, shape, chunk_shape, changed)
