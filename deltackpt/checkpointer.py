@@ -276,8 +276,8 @@ class Checkpointer:
             CheckpointAborted: on several ranks, any rank's failure.
         """
         self.wait()
-        chain = restore(state, lambda: self.store.chain(self._resolve(step)), storage=self.store.storage,
-                        coll=self._coll, pool=self._pool, executor=self._executor, tracker=self._tracker)
+        chain = restore(state, lambda: self._resolve(step), store=self.store, coll=self._coll, pool=self._pool,
+                        executor=self._executor, tracker=self._tracker)
         m = chain[-1]
         self._quantize.restored(m.quantize)
         self._saver.restored(m, ChainState(m.chain_length, sum(c.bytes_written for c in chain[1:]),

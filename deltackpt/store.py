@@ -41,6 +41,7 @@ class Store:
         self._bases: dict[int, Manifest] = {}
         # The last records known whole, by key: bytes, step and attempt (see holds).
         self._known: dict[str, tuple[bytes, int, str]] = {}
+        self._roots: dict[str, bytes] = {}  # the bytes of each cached record, by key (see root)
 
     def exists(self) -> bool:
         return self.storage.size("zarr.json") is not None
@@ -106,10 +107,11 @@ class Store:
             data = self._read_small(key)
         except FileNotFoundError:
             return None
-        m = parse_manifest(data, key, self.read_table)
+        m = self.parse(key, data)
         if m.step != step or m.compacts is None:
             raise ManifestError(f"{key}: is not a compacted base of step {step}")
         self._bases[step] = m
+        self._roots[key] = data
         return m
 
     def manifest(self, step: int) -> Manifest:
@@ -126,11 +128,23 @@ class Store:
             data = self._read_small(key)
         except FileNotFoundError:
             raise StepNotFoundError(step, self.steps()) from None
-        m = parse_manifest(data, key, self.read_table)
+        m = self.parse(key, data)
         if m.step != step:
             raise ManifestError(f"{key}: records step {m.step}, not {step}")
         self._manifests[step] = m
+        self._roots[key] = data
         return m
+
+    def parse(self, key: str, data: bytes) -> Manifest:
+        """The record ``data`` read from ``key`` of this store, its parts read from its part
+        tables on first use (see :func:`~deltackpt.format.record_checks.parse_manifest`)."""
+        return parse_manifest(data, key, self.read_table)
+
+    def root(self, m: Manifest) -> tuple[str, bytes]:
+        """The key and bytes of the root record a record this store read or committed was made
+        of: what another rank parses it from (:meth:`parse`), reading only the tables it needs."""
+        key = base_key(m.step) if m.compacts is not None else commit_key(m.step)
+        return key, self._roots[key]
 
     def chain(self, step: int) -> list[Manifest]:
         """The records to replay for ``step``, base first: back along the parents to a base,
@@ -202,6 +216,7 @@ class Store:
             return done
         if done:
             self._manifests[manifest.step] = manifest
+            self._roots[key] = root
             self._remember(key, root, manifest.step, manifest.attempt)
         return done
 
@@ -214,12 +229,13 @@ class Store:
             ManifestError: ``root`` is not a record of ``step``.
         """
         key = commit_key(step)
-        manifest = parse_manifest(root, key, self.read_table)
+        manifest = self.parse(key, root)
         if manifest.step != step:
             raise ManifestError(f"{key}: records step {manifest.step}, not {step}")
         if not self.storage.put_if_absent(key, root):
             return None
         self._manifests[step] = manifest
+        self._roots[key] = root
         self._remember(key, root, step, manifest.attempt)
         return manifest
 
@@ -259,6 +275,7 @@ class Store:
     def withdraw(self, step: int) -> None:
         """Removes the record of ``step`` that this process just committed."""
         self._manifests.pop(step, None)
+        self._roots.pop(commit_key(step), None)
         self.storage.delete(commit_key(step))
         self.storage.sync_folders([COMMITS])
 
@@ -266,6 +283,7 @@ class Store:
         """Drops cached records (after records were deleted)."""
         self._manifests.clear()
         self._bases.clear()
+        self._roots.clear()
 
 
 def _record_steps(names: list[str]) -> list[int]:

@@ -1,6 +1,7 @@
-"""A restore into a live state, on every rank: the coordinator reads the chain, each rank plans
-against its own tensors, and together they must hold every saved tensor; then each rank reads
-what its tensors need (see :meth:`deltackpt.Checkpointer.restore`)."""
+"""A restore into a live state, on every rank: the coordinator finds the chain and sends every
+rank its root records (never their parts), each rank plans against its own tensors, and together
+they must hold every saved tensor; then each rank reads what its tensors need, the part tables
+of their tensors included (see :meth:`deltackpt.Checkpointer.restore`)."""
 
 from __future__ import annotations
 
@@ -14,26 +15,32 @@ from ..errors import KeyMismatchError
 from ..format.manifest import Manifest
 from ..io.reader import ChainReader
 from ..io.staging import StagingPool
-from ..storage import Storage
+from ..store import Store
 from .planning import RestorePlan, fill, plan_restore
 
 if TYPE_CHECKING:
     from ..tracking.changes import ChangeTracker
 
 
-def restore(state: Mapping[str, Any], chain_of: Callable[[], list[Manifest]], *, storage: Storage,
-            coll: Collective, pool: StagingPool, executor: Executor,
-            tracker: ChangeTracker) -> list[Manifest]:
-    """Fills ``state`` in place from the chain ``chain_of`` returns (called on the coordinator),
-    then resets ``tracker`` to the restored tensors, with the row hashes the reads took on the
-    way (:mod:`deltackpt.io.row_hashes`). Returns the chain.
+def restore(state: Mapping[str, Any], step_of: Callable[[], int], *, store: Store, coll: Collective,
+            pool: StagingPool, executor: Executor, tracker: ChangeTracker) -> list[Manifest]:
+    """Fills ``state`` in place from the chain of the step ``step_of`` returns (called on the
+    coordinator), then resets ``tracker`` to the restored tensors, with the row hashes the reads
+    took on the way (:mod:`deltackpt.io.row_hashes`). Returns the chain.
 
     Raises:
         KeyMismatchError, DtypeMismatchError, ShapeMismatchError: ``state`` does not match what
             was saved; nothing was changed.
         CheckpointAborted: on several ranks, any rank's failure.
     """
-    chain = coll.one("read_chain", chain_of)
+    found: list[Manifest] = []  # the coordinator's
+
+    def read_chain() -> list[tuple[str, bytes]]:
+        found.extend(store.chain(step_of()))
+        return [store.root(m) for m in found]
+
+    roots = coll.one("read_chain", read_chain)
+    chain = found or [store.parse(key, data) for key, data in roots]
     m = chain[-1]
 
     def check() -> tuple[set[str], RestorePlan]:
@@ -46,7 +53,7 @@ def restore(state: Mapping[str, Any], chain_of: Callable[[], list[Manifest]], *,
 
     def read() -> None:
         live = {k: s.local for k, s in statetree.flatten(state).tensors.items()}
-        hashes = fill(plan, m, ChainReader(storage, chain, pool, executor), tracker.row_hashed(live))
+        hashes = fill(plan, m, ChainReader(store.storage, chain, pool, executor), tracker.row_hashed(live))
         # Flattened again: loading an optimizer's state replaces its tensors.
         tracker.reset({k: s.local.contiguous() for k, s in statetree.flatten(state).tensors.items()}, hashes)
 
