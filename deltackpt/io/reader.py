@@ -111,6 +111,9 @@ class ChainReader:
         # A 1-d tensor's rows are its elements: its row and dense deltas claim from one cover.
         if len({rec.encoding.claims for _, rec, _, _ in hits}) > 1 and dest.dim() != 1:
             raise IntegrityError(self._chain[-1].step, key, "dense and row deltas mixed along the chain")
+        # A delta part that changed nothing and lists no chunk has nothing to read, claim or
+        # check (a chain of many small tensors holds thousands of them).
+        hits = [hit for hit in hits if hit[2].changed or hit[2].chunks]
         self.run([partial(self.ids, m, key, part) for m, rec, part, _ in hits if rec.encoding.claims == "rows"])
         covers = Covers.of(box, [part.box for _, _, part, _ in hits])
         jobs = [job for m, rec, part, inter in hits
