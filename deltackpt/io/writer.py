@@ -10,7 +10,7 @@ A delta's chunks go back to back into one pack per writing rank instead (see
 :mod:`deltackpt.io.pack`), and the record gives each chunk's offset in it beside its size and
 checksum. A chunk already in a staging buffer of its own (a delta's gathered rows) is appended
 by the pack thread, with its rows' hashes, so that the saving thread only gathers: it returns
-to training sooner.
+to training sooner. A small one is appended by the saving thread (see :data:`HAND_OFF_BYTES`).
 """
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ def as_bytes(t: torch.Tensor) -> memoryview:
 
 
 MAX_PIECES = 8  # pieces a large gather is split into, for the I/O threads and the saving one
+# A staged chunk under this many bytes is appended to the pack by the saving thread: copying and
+# hashing it costs less than waking the pack thread and trading the GIL with it (a small
+# state's delta is a few dozen such chunks).
+HAND_OFF_BYTES = 1 << 20
 
 
 def _then(job: Callable[[], None], after: Callable[[], None]) -> Callable[[], None]:
@@ -191,7 +195,8 @@ class StepWriter:
             return [memoryview(codec.encode(whole))]
 
         self._submit(key, path, name, parts, release,
-                     packed=self._pack is not None if packed is None else packed, owned=owned)
+                     packed=self._pack is not None if packed is None else packed,
+                     owned=owned and data.nbytes >= HAND_OFF_BYTES)
 
     def gather(self, flat: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copies rows ``ids`` of ``flat`` (CPU) into ``out`` (a staging buffer), in pieces of at

@@ -14,7 +14,8 @@ from deltackpt import kernels
 from deltackpt.format.encodings import FULL, get, write_block
 from deltackpt.format.zarr_meta import codec_for
 from deltackpt.io.staging import StagingPool
-from deltackpt.io.writer import StepWriter
+from deltackpt.io import writer
+from deltackpt.io.writer import HAND_OFF_BYTES, StepWriter
 from deltackpt.storage import MemoryStorage
 
 
@@ -50,10 +51,12 @@ def test_a_pack_holds_chunks_back_to_back_with_their_offsets():
     assert np.frombuffer(ids, np.int64).tolist() == [6, 0]  # padded to the chunk
 
 
-def test_the_pack_thread_appends_staged_rows_and_the_caller_copies_live_chunks():
+def test_the_pack_thread_appends_staged_rows_and_the_caller_copies_live_chunks(monkeypatch):
     # A delta's gathered rows (in staging buffers of their own) are appended, and hashed, by the
     # pack thread, held here until the caller has changed every tensor; a live tensor's chunk
-    # put without a release is copied before the put returns.
+    # put without a release is copied before the put returns. (Every staged chunk is handed
+    # off here, however small.)
+    monkeypatch.setattr(writer, "HAND_OFF_BYTES", 0)
     storage, pool = MemoryStorage(), StagingPool(8, 64)
     t = torch.arange(40, dtype=torch.float32).reshape(10, 4)
     dense = torch.arange(6, dtype=torch.float32)
@@ -76,3 +79,34 @@ def test_the_pack_thread_appends_staged_rows_and_the_caller_copies_live_chunks()
     size, _, at = entries[("d", "")]["c.0"]
     assert pack[at : at + size] == want_dense.numpy().tobytes()
     assert torch.equal(hashes, kernels.hash_rows(want_rows))
+
+
+def test_small_staged_chunks_are_appended_by_the_saving_thread():
+    # Staged rows under HAND_OFF_BYTES are copied and hashed before the put returns: the pack
+    # thread (held here) gets none of them. Larger ones still go to it.
+    storage, pool = MemoryStorage(), StagingPool(8, 2 * HAND_OFF_BYTES)
+    small = torch.arange(40, dtype=torch.float32).reshape(10, 4)
+    large = torch.randn(4, HAND_OFF_BYTES // 4)
+    want_small, want_large = small[[1, 5, 6]].clone(), large[[0, 3]].clone()
+    hashes, large_hashes = torch.zeros(3, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    held = threading.Event()
+    with ThreadPoolExecutor(2) as ex, ThreadPoolExecutor(1) as packer:
+        packer.submit(held.wait, 30)
+        w = StepWriter(storage, "steps/4-d", pool, ex, pack="pack.0", packer=packer)
+        get("rows").encode(w, "s", "", small, torch.tensor([1, 5, 6]), (4, 4), hash_into=hashes)
+        small_at_put = hashes.clone()
+        get("rows").encode(w, "l", "", large, torch.tensor([0, 3]), (2, HAND_OFF_BYTES // 4),
+                           hash_into=large_hashes)
+        large_at_put = large_hashes.clone()
+        small.fill_(-1.0)
+        large.fill_(-1.0)
+        held.set()
+        entries = w.finish()
+    assert torch.equal(small_at_put, kernels.hash_rows(want_small))  # appended here, held or not
+    assert not large_at_put.any()  # handed to the held pack thread
+    pack = b"".join(storage.read(f"steps/4-d/pack.0/c.{i}") for i in range(len(w.packs["pack.0"]) - 1))
+    size, _, at = entries[("s", "")]["rows/c.0.0"]
+    assert pack[at : at + 3 * 16] == want_small.numpy().tobytes()
+    size, _, at = entries[("l", "")]["rows/c.0.0"]
+    assert pack[at : at + size] == want_large.numpy().tobytes()
+    assert torch.equal(large_hashes, kernels.hash_rows(want_large))
