@@ -52,9 +52,6 @@ log = logging.getLogger(__name__)
 SMALL_TENSOR_BYTES = 1 << 16
 """Tensors of at most this many bytes are hashed together, in one call (:meth:`ChangeTracker.hash_many`)."""
 
-FEW_HASHES = 4096
-"""Tensors of at most this many hashes are compared with their references in one pass over them all."""
-
 NO_IDS = torch.empty(0, dtype=torch.int64)
 """No row or chunk, or the hashes of none (shared: never written to)."""
 
@@ -193,24 +190,24 @@ class ChangeTracker:
         writer left unhashed (or hashed from marks only: a stray change the base stores is then
         no change to the next audit). Call it once the base is staged, before the training
         changes the tensors again."""
-        hashes = self.hash_many({k: tensors[k] for k, ch in changes.items() if ch.partial or ch.hashes is None})
+        hashes = self.hash_many({k: tensors[k] for k, ch in changes.items() if ch.partial or ch.hashes is None})[0]
         return {k: TensorChange(ch.changed, hashes[k], aligned=ch.aligned) if k in hashes else ch
                 for k, ch in changes.items()}
 
-    def hash_many(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def hash_many(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str], torch.Tensor]:
         """:meth:`hash` of every tensor (by key: by rows or chunks as :meth:`by_rows` says); the
         small CPU ones all in one call on the calling thread
         (:func:`deltackpt.kernels.hash_segments`): a state of thousands of tiny tensors costs
-        one call, not thousands, and wakes no thread."""
+        one call, not thousands, and wakes no thread. Returns the hashes by key, and the keys
+        hashed in that call with their hashes joined, in that order (each key's are a view)."""
         pieces = {k: p for k, t in tensors.items() if (p := self._piece(t, self.by_rows(k, t)))}
+        joined, flat, found = list(pieces), NO_IDS, {}
         if pieces:
-            small = [tensors[k] for k in pieces]
-            batch = kernels.hash_segments(small, list(pieces.values())).split(
-                [t.nbytes // p for t, p in zip(small, pieces.values())])
-            found = dict(zip(pieces, batch))
-        else:
-            found = {}
-        return {k: found[k] if k in found else self.hash(t, self.by_rows(k, t)) for k, t in tensors.items()}
+            small = [tensors[k] for k in joined]
+            flat = kernels.hash_segments(small, list(pieces.values()))
+            found = dict(zip(joined, flat.split([t.nbytes // p for t, p in zip(small, pieces.values())])))
+        hashes = {k: found[k] if k in found else self.hash(t, self.by_rows(k, t)) for k, t in tensors.items()}
+        return hashes, joined, flat
 
     def row_hashed(self, tensors: Mapping[str, torch.Tensor]) -> set[str]:
         """The keys of ``tensors`` whose references are a hash per row (the others': per chunk)."""
@@ -259,9 +256,8 @@ class ChangeTracker:
         return n if n <= chunk else chunk if not n % chunk else 0
 
     def _scan_all(self, tensors: dict[str, torch.Tensor]) -> dict[str, TensorChange]:
-        """:meth:`_scan_hashes` of every tensor, hashed by :meth:`hash_many`; tensors of few
-        hashes are compared with their references all at once, larger ones one by one (joining
-        them would copy every hash): per tensor, only what changed costs more."""
+        """:meth:`_scan_hashes` of every tensor, hashed by :meth:`hash_many`: those of its one call
+        compared with their references over the hashes it joined, the others one by one."""
         out = {}
         known = {}
         for key, t in tensors.items():
@@ -270,23 +266,22 @@ class ChangeTracker:
                 out[key] = TensorChange(None, None, aligned=self._aligned_1d(key, t))
             else:
                 known[key] = t
-        hashes = self.hash_many(known)
-        few = [k for k, h in hashes.items() if h.numel() <= FEW_HASHES]
+        hashes, joined, flat = self.hash_many(known)
         changed: set[str] = set()
-        if few:
-            now = [hashes[k] for k in few]
-            differs = (torch.cat(now) != torch.cat([self._refs[k].hashes for k in few])).nonzero()
-            ends = np.cumsum([h.numel() for h in now])
-            changed = {few[i] for i in np.searchsorted(ends, differs.flatten().numpy(), side="right")}
+        if joined:
+            differs = (flat != torch.cat([self._refs[k].hashes for k in joined])).nonzero()
+            ends = np.cumsum([hashes[k].numel() for k in joined])
+            changed = {joined[i] for i in np.searchsorted(ends, differs.flatten().numpy(), side="right")}
+        apart = hashes.keys() - set(joined)
         for key, h in hashes.items():
-            compare = key in changed or h.numel() > FEW_HASHES
+            compare = key in changed or key in apart
             out[key] = TensorChange((h != self._refs[key].hashes).nonzero().flatten() if compare else NO_IDS,
                                     h, aligned=self._aligned_1d(key, tensors[key]))
         return {k: out[k] for k in tensors}
 
     def _aligned_1d(self, key: str, t: torch.Tensor) -> bool:
         """Whether ``t`` is a 1-d tensor whose changes are rows (see :meth:`RowTracker.aligned`)."""
-        return t.dim() == 1 and key in self._aligned
+        return key in self._aligned and t.dim() == 1
 
     def _scan_hashes(self, key: str, t: torch.Tensor) -> TensorChange:
         by_rows = self.by_rows(key, t)

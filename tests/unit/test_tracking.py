@@ -373,3 +373,29 @@ def test_torchrec_collection_rejects_other_inputs(fake_torchrec):
     rows.track(ebc, prefix="")
     with pytest.raises(StateError, match="KeyedJaggedTensor"):
         ebc({"f1": torch.tensor([1])})
+
+
+def test_a_scan_finds_exactly_what_changed_in_tensors_hashed_together_and_apart():
+    # Small tensors are hashed in one call and compared in one pass over their joined hashes;
+    # large, non-contiguous and 1-d tensors apart. Changes at the first and last hash of a
+    # tensor must land on that tensor alone, and each tensor's change set must be exactly the
+    # one its own hashes give.
+    gen = torch.Generator().manual_seed(11)
+    state = {f"s{i}": torch.randn(3 + i % 4, 5, generator=gen) for i in range(300)}
+    state["v"] = torch.randn(1000, generator=gen)  # dense: by chunks
+    state["big"] = torch.randn(5000, 8, generator=gen)  # over SMALL_TENSOR_BYTES
+    state["strided"] = torch.randn(8, 6, generator=gen).t()  # not contiguous
+    tracker = ChangeTracker(256)
+    tracker.adopt(state, tracker.hash_whole(state, tracker.scan(state)), base=True)
+    edits = {"s0": [0], "s17": [0, 2], "s18": [-1], "s299": [-1], "v": [999], "big": [0, 4999],
+             "strided": [5]}
+    for key, rows in edits.items():
+        for r in rows:
+            state[key][r] += 1
+    changes = tracker.scan(state)
+    assert list(changes) == list(state)
+    for key, t in state.items():
+        ref = tracker._refs[key]
+        want = (tracker.hash(t, tracker.by_rows(key, t)) != ref.hashes).nonzero().flatten()
+        assert torch.equal(changes[key].changed, want), key
+        assert bool(want.numel()) == (key in edits), key
