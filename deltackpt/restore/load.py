@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .. import statetree
+from ..collector import paused
 from ..format import dtypes
 from ..format.manifest import Manifest
 from ..errors import KeyMismatchError, StateError
@@ -19,6 +20,7 @@ from ..sharding import Box, Shard, row_block
 from ..storage import Storage
 
 
+@paused()  # per-tensor objects, no cycles: see restore
 def read_step(storage: Storage, chain: list[Manifest], pool: StagingPool, executor: Executor, *,
               row_shard: tuple[int, int] | None = None, keys: Sequence[str] | None = None,
               key: str | None = None, rows: torch.Tensor | Sequence[int] | None = None) -> Any:
