@@ -168,7 +168,8 @@ def test_writer_killed_after_creating_its_record_leaves_a_whole_step(tmp_path):
 
 def test_two_live_writers_stay_fenced(tmp_path):
     path, out = str(tmp_path / "s"), str(tmp_path / "holder.json")
-    holder = start(lease_procs.save_steps, path, [1], out, ttl=1.5, then_sleep=30.0)
+    # A ttl that a renewal under load meets: the second writer watches the lease for one ttl.
+    holder = start(lease_procs.save_steps, path, [1], out, ttl=4.0, then_sleep=30.0)
     while not Path(out + ".saved").exists():
         assert holder.exitcode is None
         time.sleep(0.05)

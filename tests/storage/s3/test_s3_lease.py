@@ -59,7 +59,8 @@ def check_steps(url: str, options: dict, steps: list[int]) -> None:
 
 def test_a_live_holder_fences_a_second_writer_process(s3_url, s3_options, tmp_path):
     out, second_out = str(tmp_path / "holder.json"), str(tmp_path / "second.json")
-    holder = start(lease_procs.save_steps, s3_url, [1], out, ttl=1.5, then_sleep=60.0,
+    # A ttl that a renewal under load meets: the second writer watches the lease for one ttl.
+    holder = start(lease_procs.save_steps, s3_url, [1], out, ttl=6.0, then_sleep=60.0,
                    storage_options=s3_options)
     try:
         wait_saved(out, holder)
