@@ -60,3 +60,29 @@ def test_a_marked_delta_of_half_the_rows(threads):
         got = torch.empty_like(t)
         ckpt.restore({"t": got}, 1)
     assert torch.equal(got.view(torch.int32), t.view(torch.int32))
+
+
+def test_a_marked_delta_adds_no_ids_in_torch(monkeypatch):
+    """torch's elementwise ops over 32,768 elements or more (its grain size) wake its thread pool:
+    1-8 ms each when another process holds the cores. A delta of 50,000 marked rows adds its ids'
+    offsets in numpy."""
+    gen = torch.Generator().manual_seed(1)
+    t = torch.randn(100_000, 8, generator=gen)
+    with Checkpointer(MemoryStorage(), policy=EveryK(100, max_delta_fraction=1.0)) as ckpt:
+        ckpt.mark("t", torch.arange(0))
+        ckpt.save(0, {"t": t})
+        ids = torch.randperm(t.shape[0], generator=gen)[:50_000]
+        t[ids] += 1
+        ckpt.mark("t", ids)
+        add = torch.Tensor.__add__
+
+        def small_adds_only(a: torch.Tensor, b: object) -> torch.Tensor:
+            assert a.numel() < 32_768, f"a torch add of {a.numel()} elements"
+            return add(a, b)
+
+        monkeypatch.setattr(torch.Tensor, "__add__", small_adds_only)
+        assert ckpt.save(1, {"t": t}).rows_changed == len(ids)
+        monkeypatch.undo()
+        got = torch.empty_like(t)
+        ckpt.restore({"t": got}, 1)
+    assert torch.equal(got.view(torch.int32), t.view(torch.int32))

@@ -125,12 +125,15 @@ class Rows(Encoding):
         flat = t.reshape(t.shape[0], math.prod(t.shape[1:]))
         row_bytes = flat.shape[1] * t.element_size()
         chunk_rows = chunk_shape[0]
+        # The ids as written, added in numpy: torch's add of 32,768 ids or more wakes its thread
+        # pool, 1-8 ms when another process holds the cores.
+        stored = changed if row_offset == 0 else torch.from_numpy(changed.numpy() + row_offset)
         bound = 0.0
         for i in range(-(-n // chunk_rows)):
             lo, hi = i * chunk_rows, min(n, (i + 1) * chunk_rows)
             pad_rows = chunk_rows - (hi - lo)
             ids = changed[lo:hi]
-            sink.put(key, path, f"ids/{chunk_key(i, 1)}", ids + row_offset, pad_rows * 8, torch.int64)
+            sink.put(key, path, f"ids/{chunk_key(i, 1)}", stored[lo:hi], pad_rows * 8, torch.int64)
             buf = sink.pool.acquire((hi - lo) * row_bytes)
             out = buf.view(t.dtype).view(hi - lo, flat.shape[1])
             try:
@@ -142,7 +145,7 @@ class Rows(Encoding):
                 sink.pool.release(buf)
                 raise
             bound = max(bound, self._put_rows(sink, key, path, i, t.dim(), out, buf, pad_rows,
-                                              ids + row_offset, rule,
+                                              stored[lo:hi], rule,
                                               None if hash_into is None else hash_into[lo:hi]))
         if self.quantized:
             sink.note_bound(key, bound)
