@@ -80,7 +80,7 @@ def scan(tracker: ChangeTracker, items: tuple[WriteItem, ...], quantize: Quantiz
     quantized for the tensors a ``quantize`` rule names)."""
     tensors = {it.key: it.tensor for it in items}
     changes = tracker.scan(tensors)
-    rules = {it.key: c.rule for it in items if quantize is not None
+    rules = {it.key: c.rule for it in items if quantize is not None and quantize.rules
              and (c := quantize.choose(it.key, restores=quantize.restores)) is not None}
     scans = [summarize(it.key, it.part.path, it.tensor, changes[it.key], tracker.chunk_elems,
                        rules.get(it.key))

@@ -90,9 +90,34 @@ class _Reference:
     shape: tuple[int, ...]
     hashes: torch.Tensor  # CPU int64, one per row or chunk
     by_rows: bool
+    same: TensorChange | None = None  # the change set "unchanged", kept while ``hashes`` are
+    piece: int | None = None  # ChangeTracker._piece of a contiguous CPU tensor it matches
 
     def matches(self, t: torch.Tensor, by_rows: bool) -> bool:
         return self.dtype == t.dtype and self.shape == tuple(t.shape) and self.by_rows == by_rows
+
+    def unchanged(self, aligned: bool) -> TensorChange:
+        """No change since the reference: one object, kept from save to save (a delta of
+        thousands of unchanged tensors makes none)."""
+        if self.same is None or self.same.aligned != aligned:
+            self.same = TensorChange(NO_IDS, self.hashes, aligned=aligned)
+        return self.same
+
+
+@dataclass(frozen=True)
+class _Joined:
+    """The tensors one :func:`~deltackpt.kernels.hash_segments` call hashed: their keys and
+    piece sizes in call order, where each one's hashes end in the joined hashes, and those
+    hashes."""
+
+    keys: list[str]
+    pieces: list[int]
+    ends: np.ndarray
+    hashes: torch.Tensor
+
+    def of(self, i: int) -> torch.Tensor:
+        """The hashes of ``keys[i]``."""
+        return self.hashes[(self.ends[i - 1] if i else 0) : self.ends[i]]
 
 
 class ChangeTracker:
@@ -120,6 +145,10 @@ class ChangeTracker:
         self._aligned: set[str] = set()  # the aligned keys of the last scan or restore
         self._scanned: list[TrackedTable] = []  # tables of the last scan, for adopt
         self._audited: set[int] = set()  # ids of the tables the last scan audited
+        # The references of the tensors the last commit's scan hashed in one call, joined: each
+        # one's hashes are its reference's (see _adopted_joined). None: join them afresh.
+        self._joined: _Joined | None = None
+        self._scanned_joined: tuple[_Joined, list[TensorChange]] | None = None  # of the last scan
 
     def chunk_elems(self, t: torch.Tensor) -> int:
         """Elements per dense chunk of ``t``, as its delta's chunks are stored."""
@@ -149,6 +178,7 @@ class ChangeTracker:
         out: dict[str, TensorChange] = {}
         self._scanned = []
         self._audited = set()
+        self._scanned_joined = None
         self.rows.poll()
         groups = self.rows.resolve(tensors)
         self._aligned = self.rows.aligned(tensors, groups)
@@ -166,7 +196,10 @@ class ChangeTracker:
         refs = {}
         for key, t in tensors.items():
             ch = changes[key]
-            if ch.partial and ch.changed is not None:
+            ref = self._refs.get(key)
+            if ref is not None and ch is ref.same:  # unchanged: the reference stays
+                refs[key] = ref
+            elif ch.partial and ch.changed is not None:
                 ref = self._refs[key]
                 hashes = ch.hashes if ch.hashes is not None else self._hash_units(key, t, ch.changed)
                 # numpy, on this thread: torch's index_put wakes its thread pool, slow on a busy node
@@ -177,6 +210,7 @@ class ChangeTracker:
                 refs[key] = _Reference(t.dtype, tuple(t.shape),
                                        ch.hashes if ch.hashes is not None else self.hash(t, by_rows), by_rows)
         self._refs = refs
+        self._joined = self._adopted_joined(changes)
         for table in self._scanned:
             marked = table.mode is TableMode.ON and id(table) not in self._audited
             table.deltas_since_audit = table.deltas_since_audit + 1 if marked and not base else 0
@@ -190,24 +224,22 @@ class ChangeTracker:
         writer left unhashed (or hashed from marks only: a stray change the base stores is then
         no change to the next audit). Call it once the base is staged, before the training
         changes the tensors again."""
-        hashes = self.hash_many({k: tensors[k] for k, ch in changes.items() if ch.partial or ch.hashes is None})[0]
+        hashes = self.hash_many({k: tensors[k] for k, ch in changes.items() if ch.partial or ch.hashes is None})
         return {k: TensorChange(ch.changed, hashes[k], aligned=ch.aligned) if k in hashes else ch
                 for k, ch in changes.items()}
 
-    def hash_many(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str], torch.Tensor]:
+    def hash_many(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """:meth:`hash` of every tensor (by key: by rows or chunks as :meth:`by_rows` says); the
         small CPU ones all in one call on the calling thread
         (:func:`deltackpt.kernels.hash_segments`): a state of thousands of tiny tensors costs
-        one call, not thousands, and wakes no thread. Returns the hashes by key, and the keys
-        hashed in that call with their hashes joined, in that order (each key's are a view)."""
+        one call, not thousands, and wakes no thread."""
         pieces = {k: p for k, t in tensors.items() if (p := self._piece(t, self.by_rows(k, t)))}
-        joined, flat, found = list(pieces), NO_IDS, {}
+        found = {}
         if pieces:
-            small = [tensors[k] for k in joined]
+            small = [tensors[k] for k in pieces]
             flat = kernels.hash_segments(small, list(pieces.values()))
-            found = dict(zip(joined, flat.split([t.nbytes // p for t, p in zip(small, pieces.values())])))
-        hashes = {k: found[k] if k in found else self.hash(t, self.by_rows(k, t)) for k, t in tensors.items()}
-        return hashes, joined, flat
+            found = dict(zip(pieces, flat.split([t.nbytes // p for t, p in zip(small, pieces.values())])))
+        return {k: found[k] if k in found else self.hash(t, self.by_rows(k, t)) for k, t in tensors.items()}
 
     def row_hashed(self, tensors: Mapping[str, torch.Tensor]) -> set[str]:
         """The keys of ``tensors`` whose references are a hash per row (the others': per chunk)."""
@@ -238,6 +270,7 @@ class ChangeTracker:
             return _Reference(t.dtype, tuple(t.shape), h, by_rows)
 
         self._refs = {k: ref(k, t) for k, t in tensors.items()}
+        self._joined = self._scanned_joined = None
         for group in groups:
             group.table.deltas_since_audit = 0
             group.table.restored(group.rows, tensors[group.keys[0]].device)
@@ -256,28 +289,63 @@ class ChangeTracker:
         return n if n <= chunk else chunk if not n % chunk else 0
 
     def _scan_all(self, tensors: dict[str, torch.Tensor]) -> dict[str, TensorChange]:
-        """:meth:`_scan_hashes` of every tensor, hashed by :meth:`hash_many`: those of its one call
-        compared with their references over the hashes it joined, the others one by one."""
+        """:meth:`_scan_hashes` of every tensor: the small ones hashed in one call
+        (:func:`~deltackpt.kernels.hash_segments`) and compared with their references in one
+        pass over the hashes it joined (the references joined as the last commit left them, when
+        the same tensors were joined the same way), the others one by one. An unchanged
+        tensor's change set is its reference's (:meth:`_Reference.unchanged`)."""
         out = {}
-        known = {}
+        keys: list[str] = []
+        pieces: list[int] = []
+        small: list[torch.Tensor] = []
+        refs: list[_Reference] = []
         for key, t in tensors.items():
+            by_rows = t.dim() >= 2 or key in self._aligned
             ref = self._refs.get(key)
-            if ref is None or not ref.matches(t, self.by_rows(key, t)):
+            if ref is None or not ref.matches(t, by_rows):
                 out[key] = TensorChange(None, None, aligned=self._aligned_1d(key, t))
+                continue
+            if t.is_cpu and t.is_contiguous():
+                if ref.piece is None:  # the same for every tensor the reference matches
+                    ref.piece = self._piece(t, by_rows)
+                if ref.piece:
+                    keys.append(key)
+                    pieces.append(ref.piece)
+                    small.append(t)
+                    refs.append(ref)
+                    continue
+            out[key] = self._scan_hashes(key, t)
+        if keys:
+            last = self._joined
+            if last is not None and last.keys == keys and last.pieces == pieces:
+                ends, before = last.ends, last.hashes
             else:
-                known[key] = t
-        hashes, joined, flat = self.hash_many(known)
-        changed: set[str] = set()
-        if joined:
-            differs = (flat != torch.cat([self._refs[k].hashes for k in joined])).nonzero()
-            ends = np.cumsum([hashes[k].numel() for k in joined])
-            changed = {joined[i] for i in np.searchsorted(ends, differs.flatten().numpy(), side="right")}
-        apart = hashes.keys() - set(joined)
-        for key, h in hashes.items():
-            compare = key in changed or key in apart
-            out[key] = TensorChange((h != self._refs[key].hashes).nonzero().flatten() if compare else NO_IDS,
-                                    h, aligned=self._aligned_1d(key, tensors[key]))
+                ends = np.cumsum([t.nbytes // p for t, p in zip(small, pieces)])
+                before = torch.cat([ref.hashes for ref in refs])
+            joined = _Joined(keys, pieces, ends, kernels.hash_segments(small, pieces))
+            differs = (joined.hashes != before).nonzero().flatten().numpy()
+            changed = set(np.searchsorted(ends, differs, side="right").tolist())
+            for i, (key, ref) in enumerate(zip(keys, refs)):
+                aligned = key in self._aligned and small[i].dim() == 1  # _aligned_1d
+                if i in changed:
+                    h = joined.of(i)
+                    out[key] = TensorChange((h != ref.hashes).nonzero().flatten(), h, aligned=aligned)
+                else:
+                    out[key] = ref.unchanged(aligned)
+            self._scanned_joined = (joined, [out[k] for k in keys])
         return {k: out[k] for k in tensors}
+
+    def _adopted_joined(self, changes: dict[str, TensorChange]) -> _Joined | None:
+        """The last scan's joined hashes, if ``changes`` (committed) kept the change set of every
+        tensor hashed in its one call: their hashes are then the new references, joined (an
+        unchanged tensor's reference stays, equal to its hashes). Else None."""
+        scanned, self._scanned_joined = self._scanned_joined, None
+        if scanned is None:
+            return None
+        joined, made = scanned
+        if all(changes.get(k) is ch for k, ch in zip(joined.keys, made)):
+            return joined
+        return None
 
     def _aligned_1d(self, key: str, t: torch.Tensor) -> bool:
         """Whether ``t`` is a 1-d tensor whose changes are rows (see :meth:`RowTracker.aligned`)."""

@@ -251,7 +251,7 @@ class RowTracker:
         Raises:
             StateError: a tracked key holds a 0-d tensor.
         """
-        aligned = _optimizer_entries(tensors)
+        aligned: dict[tuple[str, int], list[str]] | None = None  # by _optimizer_entries, if needed
         groups = []
         for t in self.tables():
             present = [k for k in t.keys if k in tensors]
@@ -269,6 +269,8 @@ class RowTracker:
             if t.param is not None and t.optimizer is not None:
                 opt, opt_prefix = t.optimizer
                 index = _param_index(opt, t.param)
+                if aligned is None:
+                    aligned = _optimizer_entries(tensors)
                 for k in aligned.get((opt_prefix, index), []) if index is not None else []:
                     s = tensors[k]
                     # A 1-d state of a table with as many columns as rows may be per column

@@ -399,3 +399,70 @@ def test_a_scan_finds_exactly_what_changed_in_tensors_hashed_together_and_apart(
         want = (tracker.hash(t, tracker.by_rows(key, t)) != ref.hashes).nonzero().flatten()
         assert torch.equal(changes[key].changed, want), key
         assert bool(want.numel()) == (key in edits), key
+
+
+def test_unchanged_tensors_keep_their_change_set_and_reference_from_save_to_save():
+    # A delta of thousands of tiny tensors, one of them changed, makes no new object for the others.
+    state = {f"s{i}": torch.randn(4, 5) for i in range(50)} | {"v": torch.randn(100)}
+    tracker = ChangeTracker(256)
+    tracker.adopt(state, tracker.hash_whole(state, tracker.scan(state)), base=True)
+    first = tracker.scan(state)
+    tracker.adopt(state, first)
+    refs = dict(tracker._refs)
+    state["s3"][1] += 1
+    second = tracker.scan(state)
+    assert second["s3"].changed.tolist() == [1]
+    tracker.adopt(state, second)
+    for key in state:
+        if key != "s3":
+            assert second[key] is first[key], key
+            assert tracker._refs[key] is refs[key], key
+
+
+def test_scans_stay_exact_over_saves_that_reuse_the_joined_references():
+    # The references of small tensors hashed together are kept joined from one commit to the
+    # next. Over saves that change, add, drop and reshape tensors, fail before committing, track
+    # a table by marks (whose references are updated in place) and stop tracking it, each scan
+    # must give every tensor exactly what its hashes against the last commit give.
+    gen = torch.Generator().manual_seed(5)
+    state = {f"s{i}": torch.randn(2 + i % 3, 4, generator=gen) for i in range(40)}
+    state["v"] = torch.randn(300, generator=gen)
+    state["m"] = torch.randn(30, 4, generator=gen)
+    tracker = ChangeTracker(64)
+    hash_of = ChangeTracker(64)  # hashes only: the oracle
+
+    def check(changes, committed):
+        assert set(changes) == set(state)
+        for key, t in state.items():
+            old = committed.get(key)
+            if old is None or old.shape != t.shape or old.dtype != t.dtype:
+                assert changes[key].changed is None, key
+                continue
+            by_rows = t.dim() >= 2
+            want = (hash_of.hash(t, by_rows) != hash_of.hash(old, by_rows)).nonzero().flatten()
+            assert torch.equal(changes[key].changed, want), (key, changes[key].changed, want)
+
+    committed: dict[str, torch.Tensor] = {}
+    for save in range(12):
+        if save:
+            for key in ("s0", f"s{save}", f"s{39 - save}", "v"):
+                state[key].view(-1)[(save * 7) % state[key].numel()] += 1
+        if save == 3:
+            state["new"] = torch.randn(3, 4, generator=gen)
+        if save == 5:
+            del state["s20"]
+            state["s21"] = torch.randn(9, 4, generator=gen)
+        if 4 <= save < 8:  # tracked by marks, its references updated in place
+            state["m"][save] += 1
+            tracker.rows.mark("m", torch.tensor([save]))
+        if save == 8:
+            tracker.rows.untrack([], ["m"])
+            state["m"][0] += 1
+        changes = tracker.scan(state)
+        check(changes, committed)
+        if save in (2, 9):  # this save fails: nothing is adopted
+            continue
+        if save == 0:
+            changes = tracker.hash_whole(state, changes)
+        tracker.adopt(state, changes, base=save == 0)
+        committed = {k: t.clone() for k, t in state.items()}
