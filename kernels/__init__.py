@@ -5,8 +5,9 @@ Every function takes ``backend="auto" | "triton" | "torch"``. ``"torch"`` is the
 kernels of :mod:`deltackpt.kernels.triton_kernels` on CUDA tensors; ``"auto"`` picks Triton for
 CUDA tensors when triton is importable and the reference otherwise. Both backends give the same
 bits for every supported dtype. Small CPU inputs are hashed by :mod:`deltackpt.kernels.small`
-(the ``xxhash`` library, same bits) unless ``"triton"`` is asked for, and the compiled reference
-is imported on first use, so that importing the package and a small save need no numba.
+(the ``xxhash`` library, same bits) unless ``"triton"`` is asked for or the compiled kernels are
+warm (:func:`warm`), and the compiled reference is imported on first use, so that importing the
+package and a small save need no numba.
 
 Example:
     >>> import torch
@@ -34,6 +35,20 @@ PARALLEL_MIN = 4 << 20
 second thread costs more than it saves there (a 1000 x 16 fp32 tensor hashed in 0.02 ms on idle
 cores in parallel, 0.04-0.09 ms on one thread, and 8.7-15.5 ms in parallel when both cores were
 busy elsewhere), while 4 MiB is about 0.5 ms of hashing on one core."""
+
+_warm = False
+"""Whether :func:`warm` has loaded the compiled kernels."""
+
+WARM_SMALL_PIECES = 8
+"""Once the compiled kernels are warm, only inputs of fewer rows or chunks than this are hashed
+by :mod:`small`: a library call a row costs ~0.4 us, so 500 rows of 128 B took 0.18 ms there and
+0.018 ms in the compiled kernel (16 such tensors make a 1% delta of a small state); under 8 rows
+both take 7-9 us a call."""
+
+
+def _small(t: torch.Tensor, pieces: int, backend: str) -> bool:
+    """Whether ``t``, in ``pieces`` rows or chunks, is hashed by :mod:`small`."""
+    return backend != "triton" and (not _warm or pieces < WARM_SMALL_PIECES) and small.fits(t, pieces)
 
 
 def __getattr__(name: str) -> Any:
@@ -110,7 +125,7 @@ def hash_rows(t: torch.Tensor, *, backend: str = "auto", threads: int | None = N
         raise ValueError("hash_rows needs a tensor with at least one dimension, got a 0-d tensor")
     _check_threads(threads)
     _check_backend(backend)
-    if backend != "triton" and small.fits(t, t.shape[0]):
+    if _small(t, t.shape[0], backend):
         return small.hash_rows(t)
     impl = _impl(t, backend)
     if impl is _OnHost or impl.__name__.endswith(".reference"):
@@ -138,7 +153,7 @@ def hash_chunks(t: torch.Tensor, chunk_bytes: int, *, backend: str = "auto",
         )
     _check_threads(threads)
     _check_backend(backend)
-    if backend != "triton" and small.fits(t, -(-t.numel() * t.element_size() // chunk_bytes)):
+    if _small(t, -(-t.numel() * t.element_size() // chunk_bytes), backend):
         return small.hash_chunks(t, chunk_bytes)
     impl = _impl(t, backend)
     if impl is _OnHost or impl.__name__.endswith(".reference"):
@@ -206,6 +221,7 @@ def warm() -> None:
     Example:
         >>> warm()
     """
+    global _warm
     reference = __getattr__("reference")  # called directly: these inputs would take the small path
     reference.hash_rows(torch.zeros(2, 8, dtype=torch.uint8), 1)  # rows of whole 8-byte words
     reference.hash_rows(torch.zeros(2, 3, dtype=torch.uint8), 1)  # rows of any bytes
@@ -214,3 +230,4 @@ def warm() -> None:
     mask = torch.zeros(4, dtype=torch.bool)
     reference.mark_rows(mask, torch.tensor([1], dtype=torch.int64))
     reference.mark_rows(mask, torch.tensor([2], dtype=torch.int32))
+    _warm = True

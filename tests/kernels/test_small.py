@@ -72,3 +72,16 @@ def test_import_and_small_hashes_leave_numba_unloaded():
             "assert 'numba' in sys.modules\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_small_inputs_take_the_compiled_kernels_once_they_are_warm(monkeypatch):
+    kernels.warm()
+
+    def refused(*_):
+        raise AssertionError("hashed one library call a piece after the compiled kernels were warm")
+
+    monkeypatch.setattr(small, "hash_rows", refused)
+    monkeypatch.setattr(small, "hash_chunks", refused)
+    t = _random((500, 32), torch.float32)
+    assert torch.equal(kernels.hash_rows(t), reference.hash_rows(t))
+    assert torch.equal(kernels.hash_chunks(t, 100), reference.hash_chunks(t, 100))
