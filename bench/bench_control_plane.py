@@ -4,8 +4,9 @@ Drives the package's own control-plane code without processes or I/O: ``plan_loc
 ``write_items``, ``summarize`` and ``ScanSummary`` (scans) and ``part_table`` (each writing rank's own part
 table) on the ranks run in full (``--full``: the coordinator and one other rank by default), the
 coordinator's ``GlobalPlanner``, ``decide`` and ``record_root`` (the root record), then
-``parse_manifest`` (the root alone, as ``ls`` reads it) and every part table, as a restore or
-``load`` of every tensor reads and checks them. The other ranks exist only as the messages they
+``parse_manifest`` (the root alone, as ``ls`` reads it), the part tables a restore of rank 1's
+shards reads (those of the parts its boxes meet), and every part table, as a restore or ``load``
+of every tensor reads and checks them. The other ranks exist only as the messages they
 send (their local plans made from the job's layout, equal to what ``plan_local`` makes of their
 states; their scans and write results from meta tensors of their parts), so no state of theirs is
 allocated and a world of thousands fits in memory; each message is pickled as the collectives send
@@ -241,6 +242,8 @@ class Run:
     roots: list[bytes] = field(default_factory=list)  # root records
     table_bytes: list[int] = field(default_factory=list)  # all part tables of each record
     one_tensor_tables: list[int] = field(default_factory=list)  # tables a load of one tensor reads
+    # per record, what a restore of one rank's shards reads: tables, bytes of its own, of others'
+    restore_reads: list[tuple[int, int, int]] = field(default_factory=list)
     progress: bool = False
 
     @property
@@ -418,7 +421,9 @@ def simulate(world: int, state_of: StateOf, *, changed: Changed, sizes: tuple[in
         record = parse_manifest(root, commit_key(step), _reader(tables))
         _scatter(run, f"{step}: commit", [Committed(record.bytes_written, record.state_bytes,
                                                     sum(w.rows_changed for w in sent))] * world, 0.0)
-        _readers(run, step, root, tables, every_table)
+        reader = 1 if world > 1 else 0
+        _readers(run, step, root, tables, every_table, reader,
+                 {k: sh.box for k, sh in ranks.locals[reader].shards.items()} if reader in ranks.locals else {})
         run.table_bytes.append(table_bytes)
         head = record
         chain = ChainState(0, 0, record.bytes_written) if save.kind == Kind.BASE else ChainState(
@@ -426,13 +431,21 @@ def simulate(world: int, state_of: StateOf, *, changed: Changed, sizes: tuple[in
     return run
 
 
-def _readers(run: Run, step: int, root: bytes, tables: dict[int, bytes], every_table: bool) -> None:
-    """What readers of the record take: the root alone (``ls``), one tensor's part tables (a
-    ``load`` of one key) and, with ``every_table``, every table (a restore or ``load`` of every
-    tensor)."""
+def _readers(run: Run, step: int, root: bytes, tables: dict[int, bytes], every_table: bool, rank: int,
+             boxes: Mapping[str, Box]) -> None:
+    """What readers of the record take: the root alone (``ls``), the part tables a restore of
+    rank ``rank``'s shards (``boxes``, by key) reads, one tensor's part tables (a ``load`` of one
+    key) and, with ``every_table``, every table (a restore or ``load`` of every tensor)."""
     where = f"commits/{step}"
     parsed, s = _timed(lambda: parse_manifest(root, where, _reader(tables)))
     run.add(Phase(f"{step}: parse root (ls; reader)", "every reader", s, 0.0, 0, len(root)))
+    read: set[int] = set()
+    mine = parse_manifest(root, where, _reader(tables, read))
+    _, s = _timed(lambda: [mine.tensors[k].parts_meeting(box) for k, box in boxes.items()])
+    others = sum(len(tables[r]) for r in read if r != rank)
+    run.add(Phase(f"{step}: rank {rank}'s shards' part tables (restore; reader)", "every reader", s, 0.0, 0,
+                  others + len(root)))
+    run.restore_reads.append((len(read), len(tables.get(rank, b"")), others))
     one = next(iter(parsed.tensors), None)
     _, s = _timed(lambda: one is not None and tuple(parsed.tensors[one].parts))
     owners = {p.rank for p in parsed.tensors[one].parts} if one is not None else set()
@@ -449,13 +462,17 @@ def _readers(run: Run, step: int, root: bytes, tables: dict[int, bytes], every_t
     run.one_tensor_tables.append(len(owners))
 
 
-def _reader(tables: dict[int, bytes]) -> TableReader:
-    """Reads a part table from memory, checked as a store checks it."""
-    def read(key: str, size: int, digest: str) -> bytes:
-        data = tables[int(key.rsplit(".", 1)[1])]
+def _reader(tables: dict[int, bytes], read: set[int] | None = None) -> TableReader:
+    """Reads a part table from memory, checked as a store checks it; notes each rank's table
+    read in ``read``."""
+    def reading(key: str, size: int, digest: str) -> bytes:
+        rank = int(key.rsplit(".", 1)[1])
+        if read is not None:
+            read.add(rank)
+        data = tables[rank]
         assert len(data) == size and checksum(data) == digest
         return data
-    return read
+    return reading
 
 
 def time_ls(root: bytes, steps: int) -> float:
@@ -497,7 +514,9 @@ def table(run: Run, job: Job) -> str:
     lines = [f"W = {job.world} ranks x T = {job.tensors} tensors, mix {job.mix}; "
              f"root records {', '.join(f'{b / MiB:.3f} MiB' for b in run.record_bytes)}; part tables "
              f"{', '.join(f'{b / MiB:.1f} MiB' for b in run.table_bytes)}; a load of one tensor reads "
-             f"{', '.join(map(str, run.one_tensor_tables))} tables; received by a "
+             f"{', '.join(map(str, run.one_tensor_tables))} tables; a restore of rank 1's shards reads "
+             f"{', '.join(f'{n} tables ({own:,} B its own, {others:,} B others)' for n, own, others in run.restore_reads)}"
+             f"; received by a "
              f"rank other than the coordinator: {run.rank_received(1):,} B (new layout), "
              f"{run.rank_received(2):,} B (a later save)",
              "", "| phase | where | s (coordinator) | s (another rank: slowest in full / unpickling) "
@@ -552,6 +571,8 @@ def main() -> None:
               f"root record: {seconds:.3f} s")
         rows.append(figure(f"ls of {args.ls_steps} steps", seconds))
     rows += [figure(f"root record of save {i + 1}", b / MiB, "MiB") for i, b in enumerate(run.record_bytes)]
+    rows += [figure(f"restore of rank 1's shards, save {i + 1}: others' part tables read", others / MiB, "MiB")
+             for i, (_, _, others) in enumerate(run.restore_reads)]
     rows += [figure(f"part tables of save {i + 1}", b / MiB, "MiB") for i, b in enumerate(run.table_bytes)]
     out = args.json or str(Path(__file__).parent / "results" / f"control_plane_W{job.world}_T{job.tensors}.json")
     write_figures(out, "bench_control_plane", args, rows, parts=parts, record_bytes=run.record_bytes,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from ..sharding import Box
 from .encodings import Encoding
@@ -71,6 +71,13 @@ class PartRecord:
                 "rank": self.rank}
 
 
+@runtime_checkable
+class PartIndex(Protocol):
+    """Parts that can be asked for those meeting a box alone (a parsed record's)."""
+
+    def meeting(self, box: Box) -> Sequence[PartRecord]: ...
+
+
 @dataclass(frozen=True)
 class TensorRecord:
     """How one tensor is stored in one step.
@@ -97,6 +104,14 @@ class TensorRecord:
     @property
     def changed(self) -> int:
         return sum(p.changed for p in self.parts)
+
+    def parts_meeting(self, box: Box) -> Sequence[PartRecord]:
+        """The parts that share an element with ``box``, sorted by path. A record read from a
+        store reads only the part tables that hold them where its root gives their layout (see
+        :mod:`deltackpt.format.part_layout`)."""
+        if isinstance(self.parts, PartIndex):
+            return self.parts.meeting(box)
+        return [p for p in self.parts if (inter := p.box.intersect(box)) is not None and inter.numel]
 
     @property
     def nbytes_written(self) -> int:

@@ -22,11 +22,13 @@ from .grid import check_pack
 from .limits import MAX_DEPTH, MAX_STEP, key_problem, unique_keys
 from .lossy import Lossy
 from .manifest import FORMATS, KINDS, LOSSY_FORMAT, ChunkMap, Manifest, TensorRecord
+from .part_layout import PartLayout, parse_layout
 from .record_io import TableReader, lazy_tensors
 
 MAX_RANKS = 1 << 24  # ranks one tensor's parts may come from
-# A tensor's root fields: dtype, shape, encoding, loss, parts, the ranks whose tables hold them.
-TensorHead = tuple[str, tuple[int, ...], Encoding, Lossy | None, int, list[int]]
+# A tensor's root fields: dtype, shape, encoding, loss, parts, the ranks whose tables hold them,
+# and where its parts lie by rule (None: its root gives no layout).
+TensorHead = tuple[str, tuple[int, ...], Encoding, Lossy | None, int, list[int], PartLayout | None]
 
 
 @paused()
@@ -223,7 +225,8 @@ def _parse_tensor(rec: Any, fmt: int, where: str) -> TensorHead:
     if why is not None:
         raise ManifestError(f"{where}: {why}")
     ranks: list[int] = []
-    for run in _field(rec, "ranks", list, where):
+    runs = _field(rec, "ranks", list, where)
+    for run in runs:
         if (not isinstance(run, list) or len(run) != 2 or not all(_is_count(r) for r in run)
                 or run[0] > run[1] or (ranks and run[0] <= ranks[-1]) or run[1] - run[0] >= MAX_RANKS):
             raise ManifestError(f"{where}: field 'ranks' has a bad run {run!r:.80}")
@@ -233,7 +236,8 @@ def _parse_tensor(rec: Any, fmt: int, where: str) -> TensorHead:
     count = _count(rec, "parts", where)
     if (count == 0) != (not ranks) or count < len(ranks):
         raise ManifestError(f"{where}: {count} parts cannot come from {len(ranks)} ranks")
-    return dtype, tuple(shape), encoding, lossy, count, ranks
+    layout = None if rec.get("layout") is None else parse_layout(rec["layout"], tuple(shape), count, runs, where)
+    return dtype, tuple(shape), encoding, lossy, count, ranks, layout
 
 
 def _is_count(v: Any) -> bool:

@@ -18,10 +18,12 @@ import xxhash
 
 from ..collector import paused
 from ..errors import ManifestError
+from ..sharding import Box
 from .layout import STEPS, table_name
 from .lossy import Lossy
 from .encodings import Encoding
 from .manifest import Manifest, PartRecord, TensorRecord
+from .part_layout import PartLayout, describe
 from .part_tables import METADATA, Seen, Table, check_parts, decode_table, encode_table
 
 # Reads a rank's table (its key, size and checksum as the root records them), checked.
@@ -42,24 +44,36 @@ def encode_record(m: Manifest) -> tuple[bytes, dict[int, bytes]]:
     """The root record's bytes and each writing rank's part table."""
     index = {key: i for i, key in enumerate(m.tensors)}
     by_rank: dict[int, list[tuple[int, TensorRecord, PartRecord]]] = {}
-    held: dict[str, tuple[int, list[int]]] = {}
+    held: dict[str, tuple[int, list[int], PartLayout | None]] = {}
     for key, rec in m.tensors.items():
         for part in rec.parts:
             by_rank.setdefault(part.rank, []).append((index[key], rec, part))
-        held[key] = (len(rec.parts), sorted({p.rank for p in rec.parts}))
+        held[key] = (len(rec.parts), sorted({p.rank for p in rec.parts}), layout_of(rec.shape, rec.parts))
     tables = {rank: encode_table(entries) for rank, entries in sorted(by_rank.items())}
     return encode_root(m, {rank: (len(data), checksum(data)) for rank, data in tables.items()}, held), tables
 
 
+def layout_of(shape: Sequence[int], parts: Sequence[PartRecord]) -> PartLayout | None:
+    """The layout of a tensor's parts (see :mod:`deltackpt.format.part_layout`), if they
+    follow one: listed by path, ``p0``, ``p1``, ... or the one part ``""``."""
+    paths = [p.path for p in parts]
+    if paths != ([""] if len(parts) == 1 else [f"p{i}" for i in range(len(parts))]):
+        return None
+    return describe(shape, [p.box for p in parts], [p.rank for p in parts])
+
+
 def encode_root(m: Manifest, tables: Mapping[int, tuple[int, str]],
-                held: Mapping[str, tuple[int, Sequence[int]]]) -> bytes:
+                held: Mapping[str, tuple[int, Sequence[int], PartLayout | None]]) -> bytes:
     """The root record of ``m``, whose part tables (by writing rank, their size and checksum)
-    are ``tables``; ``held`` gives each tensor's part count and the sorted ranks whose tables
-    hold its parts (``m``'s parts are not read: a save's coordinator never holds them)."""
+    are ``tables``; ``held`` gives each tensor's part count, the sorted ranks whose tables
+    hold its parts and their layout, if any (``m``'s parts are not read: a save's coordinator
+    never holds them)."""
     doc = m.root_doc()
     for key in m.tensors:
-        parts, ranks = held[key]
+        parts, ranks, layout = held[key]
         doc["tensors"][key] |= {"parts": parts, "ranks": _ranges(ranks)}
+        if layout is not None:
+            doc["tensors"][key]["layout"] = layout.to_doc()
     doc["tables"] = [[rank, size, digest] for rank, (size, digest) in sorted(tables.items())]
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
@@ -115,20 +129,25 @@ class Tables:
 
 class LazyParts(Sequence[PartRecord]):
     """A parsed tensor's parts, sorted by path: read from its ranks' tables, checked whole
-    (see :func:`deltackpt.format.part_tables.check_parts`) and built on first use."""
+    (see :func:`deltackpt.format.part_tables.check_parts`, and against the tensor's layout if
+    its root gives one) and built on first use; or, with a layout, only those that meet a box
+    (:meth:`meeting`), read from the tables that hold them alone."""
 
-    def __init__(self, tables: Tables, index: int, count: int, head: TensorRecord, where: str):
+    def __init__(self, tables: Tables, index: int, count: int, head: TensorRecord, layout: PartLayout | None,
+                 where: str):
         self._tables, self._index, self._count, self._head, self._where = tables, index, count, head, where
+        self._layout = layout
         self._parts: tuple[PartRecord, ...] | None = None
+        self._seen: Seen = ({}, {(METADATA, 0): "zarr.json"})  # shared by every table read
+        self._met: dict[Box, list[PartRecord]] = {}
         self._lock = threading.Lock()
 
     def _load(self) -> tuple[PartRecord, ...]:
         with self._lock:
             if self._parts is None:
                 parts: list[PartRecord] = []
-                seen: Seen = ({}, {(METADATA, 0): "zarr.json"})
                 for rank in sorted(self._tables.owners[self._index]):
-                    got = self._tables.table(rank).parts(self._index, self._head, self._where, seen)
+                    got = self._tables.table(rank).parts(self._index, self._head, self._where, self._seen)
                     if not got:
                         raise ManifestError(f"{self._where}: lists rank {rank}, whose table holds "
                                             f"none of its parts")
@@ -140,8 +159,53 @@ class LazyParts(Sequence[PartRecord]):
                 rec = TensorRecord(self._head.dtype, self._head.shape, self._head.encoding,
                                    tuple(parts), self._head.lossy)
                 check_parts(rec, self._where)
+                if self._layout is not None:
+                    self._check_layout(parts, self._layout)
                 self._parts = tuple(parts)
             return self._parts
+
+    def _check_layout(self, parts: list[PartRecord], layout: PartLayout) -> None:
+        """Checks every part (distinct paths, sorted) against ``layout``."""
+        if [p.path for p in parts] != [layout.path(i) for i in range(len(parts))]:
+            why = "its parts' paths are not those of its layout"
+        else:
+            why = layout.problem([p.box for p in parts], [p.rank for p in parts])
+        if why is not None:
+            raise ManifestError(f"{self._where}: {why}")
+
+    def meeting(self, box: Box) -> Sequence[PartRecord]:
+        """The parts that share an element with ``box``, sorted by path. With a layout, only the
+        tables of their writers are read, and each such table's parts of the tensor are checked
+        against the layout; without one, every part is read."""
+        if self._layout is None:
+            return [p for p in self._load() if (inter := p.box.intersect(box)) is not None and inter.numel]
+        layout = self._layout
+        with self._lock:
+            met = self._met.get(box)
+            if met is not None:
+                return met
+            wanted = list(layout.meeting(box))
+            by_rank: dict[int, list[int]] = {}
+            for i in wanted:
+                by_rank.setdefault(layout.writer(i), []).append(i)
+            found: dict[int, PartRecord] = {}
+            for rank, indices in by_rank.items():
+                got = self._tables.table(rank).parts(self._index, self._head, self._where, self._seen)
+                mine = layout.written_by(rank)
+                where = f"{self._where} (table {table_key(self._tables.attempt, rank)})"
+                if sorted(p.path for p in got) != sorted(layout.path(i) for i in mine):
+                    raise ManifestError(f"{where}: holds parts {sorted(p.path for p in got)[:8]} of the tensor, "
+                                        f"its layout says {sorted(layout.path(i) for i in mine)[:8]}")
+                by_path = {p.path: p for p in got}
+                for i in indices:
+                    part, want = by_path[layout.path(i)], layout.box(i)
+                    if part.box != want:
+                        raise ManifestError(f"{where}: part {part.path!r} at {list(part.offset)} of "
+                                            f"{list(part.shape)}, its layout says at {list(want.offset)} "
+                                            f"of {list(want.shape)}")
+                    found[i] = part
+            met = self._met[box] = [found[i] for i in wanted]
+            return met
 
     def __len__(self) -> int:
         return self._count
@@ -169,18 +233,19 @@ class LazyParts(Sequence[PartRecord]):
         return tuple, (self._load(),)
 
 
-def lazy_tensors(heads: dict[str, tuple[str, tuple[int, ...], Encoding, Lossy | None, int, list[int]]],
+def lazy_tensors(heads: dict[str, tuple[str, tuple[int, ...], Encoding, Lossy | None, int, list[int],
+                                        PartLayout | None]],
                  attempt: str, listed: dict[int, tuple[int, str]], packs: dict[int, int],
                  read: TableReader, where: str) -> dict[str, TensorRecord]:
     """A parsed record's tensors from their root fields (dtype, shape, encoding, lossy, parts
-    count, ranks), their parts read from the tables on first use."""
+    count, ranks, layout), their parts read from the tables on first use."""
     ndims = [len(h[1]) for h in heads.values()]
     owners = [frozenset(h[5]) for h in heads.values()]
     tables = Tables(attempt, listed, packs, ndims, owners, read, where)
     out = {}
-    for i, (key, (dtype, shape, enc, lossy, count, _)) in enumerate(heads.items()):
+    for i, (key, (dtype, shape, enc, lossy, count, _, layout)) in enumerate(heads.items()):
         head = TensorRecord(dtype, shape, enc, (), lossy)
         out[key] = TensorRecord(dtype, shape, enc,
-                                LazyParts(tables, i, count, head, f"{where}: tensor {key!r}"), lossy)
+                                LazyParts(tables, i, count, head, layout, f"{where}: tensor {key!r}"), lossy)
     return out
 

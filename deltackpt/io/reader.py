@@ -76,12 +76,10 @@ class ChainReader:
             raise IntegrityError(m.step, key, "the tensor is missing from this step's record")
         if (rec.dtype, rec.shape) != (head.dtype, head.shape):
             raise IntegrityError(m.step, key, "dtype or shape differs along the chain")
-        for part in rec.parts:
-            inter = part.box.intersect(box)
-            if inter is not None and inter.numel:
-                for name in part.chunks:
-                    if name != "zarr.json":
-                        stored_size(self._storage, m, key, part, name, self._sized)
+        for part in rec.parts_meeting(box):
+            for name in part.chunks:
+                if name != "zarr.json":
+                    stored_size(self._storage, m, key, part, name, self._sized)
 
     def read(self, key: str, dest: torch.Tensor, box: Box | None = None,
              hashes: RowHashes | None = None) -> None:
@@ -106,8 +104,8 @@ class ChainReader:
         steps = list(zip(self._chain, recs))[start:]
         base, deltas = (steps[0], steps[1:]) if recs[start].encoding.whole else (None, steps)
         deltas.reverse()
-        hits = [(m, rec, part, inter) for m, rec in deltas for part in rec.parts
-                for inter in [part.box.intersect(box)] if inter is not None and inter.numel]
+        hits = [(m, rec, part, inter) for m, rec in deltas for part in rec.parts_meeting(box)
+                for inter in [part.box.intersect(box)] if inter is not None]
         # A 1-d tensor's rows are its elements: its row and dense deltas claim from one cover.
         if len({rec.encoding.claims for _, rec, _, _ in hits}) > 1 and dest.dim() != 1:
             raise IntegrityError(self._chain[-1].step, key, "dense and row deltas mixed along the chain")
@@ -120,8 +118,8 @@ class ChainReader:
                 for job in rec.encoding.read(self, m, key, rec, part, inter, dest, box, covers, hashes)]
         if base is not None:
             m, rec = base
-            self.run([job for part in rec.parts for inter in [part.box.intersect(box)]
-                      if inter is not None and inter.numel
+            self.run([job for part in rec.parts_meeting(box) for inter in [part.box.intersect(box)]
+                      if inter is not None
                       for job in rec.encoding.read(self, m, key, rec, part, inter, dest, box, None, hashes)])
         self.run(jobs)
 

@@ -25,6 +25,7 @@ from typing import Any
 from .. import statetree
 from ..collector import paused
 from ..errors import StateError, StepExistsError
+from ..format.part_layout import PartLayout, describe
 from ..sharding import Box, check_tiling
 
 
@@ -93,10 +94,14 @@ class GlobalPlan:
         return [(tuple(parts), tuple(index)) for parts, index in out]
 
     @functools.cached_property
-    def writers(self) -> dict[str, tuple[int, list[int]]]:
-        """Each tensor's part count and the sorted ranks that write its parts (what the root
-        record lists of its parts), made once per plan."""
-        return {t.key: (len(t.parts), sorted({p.writer for p in t.parts})) for t in self.tensors.values()}
+    def writers(self) -> dict[str, tuple[int, list[int], PartLayout | None]]:
+        """Each tensor's part count, the sorted ranks that write its parts and their layout, if
+        they follow one (what the root record lists of its parts), made once per plan."""
+        out = {}
+        for t in self.tensors.values():
+            writers = [p.writer for p in t.parts]
+            out[t.key] = (len(t.parts), sorted(set(writers)), describe(t.global_shape, [p.box for p in t.parts], writers))
+        return out
 
 
 @dataclass(frozen=True)
