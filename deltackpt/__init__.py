@@ -40,6 +40,7 @@ from .errors import (
     WriterConflictError,
 )
 from .hooks import CheckpointHook
+from .io.staging import release_staging_memory
 from .ops.compaction import CompactInfo
 from .ops.export import ExportInfo, export
 from .ops.gc import GCReport, Retention
@@ -116,4 +117,5 @@ __all__ = [
     "export",
     "import_checkpoint",
     "open_storage",
+    "release_staging_memory",
 ]

@@ -35,7 +35,7 @@ import torch
 from .collectives import Collective
 from .errors import StepNotFoundError, StoreError
 from .io.staging import StagingPool
-from .io.threads import started_pool
+from .io.threads import run_ahead, started_pool
 from .ops.compaction import CompactInfo, compact
 from .ops.gc import GCReport, Retention, collect
 from .ops.lease import DEFAULT_TTL
@@ -144,6 +144,7 @@ class Checkpointer:
                             lease_ttl=lease_ttl)
         self._background = Background()
         warm_kernels()
+        run_ahead(partial(self._pool.warm, 2))  # the two buffers any save may take, touched
 
     @property
     def rank(self) -> int:
@@ -284,9 +285,7 @@ class Checkpointer:
                                            chain[0].bytes_written))
         return m.step
 
-    def verify(
-        self, step: int | None = None, progress: Callable[[int], None] = lambda n: None
-    ) -> VerifyReport:
+    def verify(self, step: int | None = None, progress: Callable[[int], None] = lambda n: None) -> VerifyReport:
         """Re-reads every chunk of ``step``'s chain (default: of every committed step) and checks
         sizes, checksums and parent links; returns what it found instead of raising."""
         steps = self.steps()
@@ -383,14 +382,15 @@ class Checkpointer:
     # -- lifetime -------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Waits for the save in flight and pending I/O, releases the writer lease and the
-        threads; raises the save's error, if it failed, once everything is released."""
+        """Waits for the save in flight and pending I/O, releases the writer lease, the threads and
+        the staging buffers (see :mod:`.io.staging`); raises the save's error, if any, at the end."""
         try:
             self.wait()
         finally:
             self._background.close()
             self._saver.close()
             self._executor.shutdown(wait=True)
+            self._pool.close()
             self._coll.close()
 
     def __enter__(self) -> Checkpointer:

@@ -1,15 +1,24 @@
 """Long-lived host buffers for staging chunks between tensors and storage.
 
 Fresh memory is slow on many VMs (the host reclaims idle pages, and touching them again costs a
-page fault each), and allocating per save would make peak memory grow with the model. The pool
-holds a fixed number of chunk-sized buffers, allocated on first use and reused by every save and
-restore; a caller waits when all are in use, which bounds the memory a save or restore adds.
-Buffers start on a 4 KiB boundary, so storage can write them past the page cache (``O_DIRECT``).
+page fault each: 512 MiB copied into a fresh buffer took 0.29-0.42 s on one, into a touched one
+0.03 s), and allocating per save would make peak memory grow with the model. The pool holds a
+fixed number of chunk-sized buffers, allocated on first use and reused by every save and restore;
+a caller waits when all are in use, which bounds the memory a save or restore adds. Buffers start
+on a 4 KiB boundary, so storage can write them past the page cache (``O_DIRECT``).
+
+A closed pool's buffers outlive it in the process's reserve, already touched, for the next pool of
+their size (a job that builds a new checkpointer, a test suite): at most as many as the largest
+pool closed holds, until :func:`release_staging_memory`. :meth:`StagingPool.warm` touches buffers
+ahead of the first copy, in the kernel's batch (``MADV_POPULATE_WRITE``) where it has one.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import queue
+import sys
 import threading
 
 import torch
@@ -35,6 +44,7 @@ class StagingPool:
         self._slots = threading.Semaphore(buffers)
         self._zeros = torch.zeros(0, dtype=torch.uint8)
         self._lock = threading.Lock()
+        self._coming = 0  # buffers being warmed, not yet in _buffers
 
     def zeros(self, nbytes: int) -> memoryview:
         """``nbytes`` zero bytes from a long-lived buffer (for padding edge chunks); read-only use."""
@@ -51,14 +61,8 @@ class StagingPool:
         """
         self._slots.acquire()
         if nbytes > self.nbytes:
-            return self._aligned(nbytes)
-        try:
-            buf = self._free.get_nowait()
-        except queue.Empty:
-            buf = self._aligned(self.nbytes)
-            with self._lock:
-                self._buffers[buf.data_ptr()] = buf
-        return buf[:nbytes]
+            return _aligned(nbytes, self._pin)
+        return self._take()[:nbytes]
 
     def release(self, buf: torch.Tensor) -> None:
         with self._lock:
@@ -67,7 +71,114 @@ class StagingPool:
             self._free.put(pooled)
         self._slots.release()
 
-    def _aligned(self, nbytes: int) -> torch.Tensor:
-        raw = torch.empty(nbytes + BLOCK, dtype=torch.uint8, pin_memory=self._pin)
-        start = -raw.data_ptr() % BLOCK
-        return raw[start : start + nbytes]
+    def warm(self, buffers: int) -> None:
+        """Makes up to ``buffers`` of the pool's buffers (never more than it may hold) exist with
+        every page touched, so that the copies into them fault no page; from any thread."""
+        while True:
+            with self._lock:
+                if len(self._buffers) + self._coming >= min(buffers, self.buffers):
+                    return
+                self._coming += 1
+            buf: torch.Tensor | None = None
+            try:
+                buf = _RESERVE.take(self.nbytes, self._pin)
+                if buf is None:
+                    buf = _touch(_aligned(self.nbytes, self._pin))
+            finally:
+                with self._lock:
+                    self._coming -= 1
+                    if buf is not None:
+                        self._buffers[buf.data_ptr()] = buf
+            self._free.put(buf)
+
+    def close(self) -> None:
+        """Gives the pool's free buffers to the process's reserve, for the next pool of their
+        size (a buffer still in use is not given)."""
+        free = []
+        while True:
+            try:
+                free.append(self._free.get_nowait())
+            except queue.Empty:
+                break
+        with self._lock:
+            for buf in free:
+                del self._buffers[buf.data_ptr()]
+        _RESERVE.give(self.nbytes, self._pin, free, self.buffers)
+
+    def _take(self) -> torch.Tensor:
+        """A buffer of the pool's size, for a caller holding a slot: a free one, one from the
+        reserve, a new one while fewer than ``buffers`` exist or are being warmed, else the next
+        one given back (this caller's slot is free, so one is free or on its way)."""
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            if len(self._buffers) + self._coming < self.buffers:
+                buf = _RESERVE.take(self.nbytes, self._pin)
+                buf = _aligned(self.nbytes, self._pin) if buf is None else buf
+                self._buffers[buf.data_ptr()] = buf
+                return buf
+        return self._free.get()
+
+
+class _Reserve:
+    """Buffers of closed pools, by size and pinning, kept touched for the next pool."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}
+
+    def take(self, nbytes: int, pin: bool) -> torch.Tensor | None:
+        with self._lock:
+            kept = self._free.get((nbytes, pin))
+            return kept.pop() if kept else None
+
+    def give(self, nbytes: int, pin: bool, buffers: list[torch.Tensor], keep: int) -> None:
+        """Keeps ``buffers``, up to ``keep`` buffers of their kind in all."""
+        with self._lock:
+            kept = self._free.setdefault((nbytes, pin), [])
+            kept.extend(buffers[: max(0, keep - len(kept))])
+
+    def release(self) -> int:
+        with self._lock:
+            freed = sum(nbytes * len(kept) for (nbytes, _), kept in self._free.items())
+            self._free.clear()
+        return freed
+
+
+_RESERVE = _Reserve()
+
+
+def release_staging_memory() -> int:
+    """Frees the staging buffers that closed checkpointers left for the next one of the process
+    (open ones keep theirs); returns how many bytes they held.
+
+    Example:
+        >>> import tempfile, torch, deltackpt
+        >>> with deltackpt.Checkpointer(tempfile.mkdtemp()) as ckpt:
+        ...     _ = ckpt.save(1, {"t": torch.zeros(8)})
+        >>> deltackpt.release_staging_memory() > 0
+        True
+    """
+    return _RESERVE.release()
+
+
+def _aligned(nbytes: int, pin: bool) -> torch.Tensor:
+    raw = torch.empty(nbytes + BLOCK, dtype=torch.uint8, pin_memory=pin)
+    start = -raw.data_ptr() % BLOCK
+    return raw[start : start + nbytes]
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
+
+
+def _touch(buf: torch.Tensor) -> torch.Tensor:
+    """``buf`` (4 KiB aligned) with every page faulted in: in one call where the kernel can
+    (about 1.6x faster than a write per page on a VM), else a write per page."""
+    whole = buf.numel() // BLOCK * BLOCK
+    if not (whole and _libc is not None and _libc.madvise(
+            ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(whole), _MADV_POPULATE_WRITE) == 0):
+        buf.numpy()[::BLOCK] = 0
+    return buf

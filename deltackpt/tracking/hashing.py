@@ -8,8 +8,6 @@ single-threaded kernel on the I/O threads keeps every thread a save uses in one 
 
 from __future__ import annotations
 
-import atexit
-import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
 from functools import partial
@@ -17,7 +15,7 @@ from functools import partial
 import torch
 
 from .. import kernels  # installed from kernels/, see pyproject
-from ..io.threads import run_shared
+from ..io.threads import run_ahead, run_shared
 
 
 class Hasher:
@@ -83,17 +81,12 @@ class Hasher:
         run_shared(self._executor, jobs)
 
 
-_warming: list[threading.Thread] = []
+_warming: list[bool] = []
 
 
 def warm_kernels() -> None:
-    """Compiles the hash and mark kernels once per process, on a background thread, so the first
-    save does not wait for the compiler (it waits for this thread only if it is still running).
-
-    The interpreter's exit waits for the thread: left running, its parallel kernels' worker
-    threads outlive the interpreter, and the process may abort at exit ("terminate called without
-    an active exception", status 134; 6 of 12 processes that exited right after starting it)."""
+    """Compiles the hash and mark kernels once per process, ahead of the first save (see
+    :func:`~deltackpt.io.threads.run_ahead`), so the first save does not wait for the compiler."""
     if not _warming:
-        _warming.append(threading.Thread(target=kernels.warm, name="deltackpt-warm", daemon=True))
-        _warming[0].start()
-        atexit.register(_warming[0].join)
+        _warming.append(True)
+        run_ahead(kernels.warm)
