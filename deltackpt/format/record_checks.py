@@ -99,10 +99,17 @@ def _parse(doc: Any, where: str, read: TableReader) -> Manifest:
     if "/" in attempt or attempt in ("", ".", ".."):
         raise ManifestError(f"{where}: field 'attempt' has a bad value {attempt!r}")
     heads = {}
+    # Thousands of tensors share a few distinct entries: each is checked once. repr() of what
+    # json.loads builds (dicts, lists, str, int, float, bool, None) tells any two values apart.
+    parsed: dict[str, TensorHead] = {}
     for key, rec in _field(doc, "tensors", dict, where).items():
         if (why := key_problem(key)) is not None:
             raise ManifestError(f"{where}: tensor key {key!r:.200} is no folder name: {why}")
-        heads[key] = _parse_tensor(rec, fmt, f"{where}: tensor {key!r}")
+        same = repr(rec)
+        head = parsed.get(same)
+        if head is None:
+            head = parsed[same] = _parse_tensor(rec, fmt, f"{where}: tensor {key!r}")
+        heads[key] = head
     tensors = lazy_tensors(heads, attempt, _tables(doc, where),
                            {int(name[5:]): _room(files) for name, files in packs.items()}, read, where)
     created = _field(doc, "created", (int, float), where)
@@ -142,38 +149,50 @@ def _parse(doc: Any, where: str, read: TableReader) -> Manifest:
     return m
 
 
-def check_tree(node: Any, tensors: dict[str, TensorRecord], where: str, depth: int) -> None:
+# Where a node lies: the record's field, then the keys down to it (joined only for an error).
+_Where = str | tuple["_Where", Any]
+
+
+def _at(where: _Where) -> str:
+    keys = []
+    while isinstance(where, tuple):
+        where, key = where
+        keys.append(str(key))
+    return "/".join([where, *reversed(keys)])
+
+
+def check_tree(node: Any, tensors: dict[str, TensorRecord], where: _Where, depth: int) -> None:
     """Checks a state skeleton (see deltackpt.statetree): well-formed nodes, known tensors."""
     if depth > MAX_DEPTH:
-        raise ManifestError(f"{where}: nested deeper than {MAX_DEPTH}")
+        raise ManifestError(f"{_at(where)}: nested deeper than {MAX_DEPTH}")
     if not isinstance(node, dict) or len(node) != 1:
-        raise ManifestError(f"{where}: a node must be an object with one field, got {node!r:.80}")
+        raise ManifestError(f"{_at(where)}: a node must be an object with one field, got {node!r:.80}")
     (kind, body), = node.items()
     if kind == "tensor":
         if not isinstance(body, str) or body not in tensors:
-            raise ManifestError(f"{where}: tensor {body!r:.80} is not in 'tensors'")
+            raise ManifestError(f"{_at(where)}: tensor {body!r:.80} is not in 'tensors'")
     elif kind == "float":
         if body not in ("nan", "inf", "-inf"):
-            raise ManifestError(f"{where}: bad float {body!r:.80}")
+            raise ManifestError(f"{_at(where)}: bad float {body!r:.80}")
     elif kind == "value":
         if not (body is None or isinstance(body, (bool, int, float, str))):
-            raise ManifestError(f"{where}: bad value {body!r:.80}")
+            raise ManifestError(f"{_at(where)}: bad value {body!r:.80}")
     elif kind == "dict":
         if not isinstance(body, list) or any(
             not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], (str, int))
             or isinstance(item[0], bool)
             for item in body
         ):
-            raise ManifestError(f"{where}: bad dict node {body!r:.80}")
+            raise ManifestError(f"{_at(where)}: bad dict node {body!r:.80}")
         for k, child in body:
-            check_tree(child, tensors, f"{where}/{k}", depth + 1)
+            check_tree(child, tensors, (where, k), depth + 1)
     elif kind in ("list", "tuple"):
         if not isinstance(body, list):
-            raise ManifestError(f"{where}: bad {kind} node {body!r:.80}")
+            raise ManifestError(f"{_at(where)}: bad {kind} node {body!r:.80}")
         for i, child in enumerate(body):
-            check_tree(child, tensors, f"{where}/{i}", depth + 1)
+            check_tree(child, tensors, (where, i), depth + 1)
     else:
-        raise ManifestError(f"{where}: unknown node kind {kind!r:.80}")
+        raise ManifestError(f"{_at(where)}: unknown node kind {kind!r:.80}")
 
 
 def _check_quantize(doc: dict[str, Any] | None, tensors: dict[str, TensorRecord], where: str) -> None:

@@ -107,10 +107,10 @@ class Tables:
         self.attempt, self.listed, self.packs = attempt, listed, packs
         self.ndims, self.owners, self._read, self.where = ndims, owners, read, where
         self._tables: dict[int, Table] = {}
-        self._lock = threading.Lock()
+        self.lock = threading.RLock()  # also each of the record's LazyParts'
 
     def table(self, rank: int) -> Table:
-        with self._lock:
+        with self.lock:
             if rank not in self._tables:
                 key = table_key(self.attempt, rank)
                 if rank not in self.listed:
@@ -134,20 +134,29 @@ class LazyParts(Sequence[PartRecord]):
     (:meth:`meeting`), read from the tables that hold them alone."""
 
     def __init__(self, tables: Tables, index: int, count: int, head: TensorRecord, layout: PartLayout | None,
-                 where: str):
-        self._tables, self._index, self._count, self._head, self._where = tables, index, count, head, where
+                 key: str):
+        # Thousands a record: what a reader may never ask for is made when it first does.
+        self._tables, self._index, self._count, self._head, self._key = tables, index, count, head, key
         self._layout = layout
         self._parts: tuple[PartRecord, ...] | None = None
-        self._seen: Seen = ({}, {(METADATA, 0): "zarr.json"})  # shared by every table read
+        self._seen: Seen | None = None  # shared by every table read
         self._met: dict[Box, list[PartRecord]] = {}
-        self._lock = threading.Lock()
+
+    @property
+    def _where(self) -> str:
+        return f"{self._tables.where}: tensor {self._key!r}"
+
+    def _seen_so_far(self) -> Seen:
+        if self._seen is None:
+            self._seen = ({}, {(METADATA, 0): "zarr.json"})
+        return self._seen
 
     def _load(self) -> tuple[PartRecord, ...]:
-        with self._lock:
+        with self._tables.lock:
             if self._parts is None:
                 parts: list[PartRecord] = []
                 for rank in sorted(self._tables.owners[self._index]):
-                    got = self._tables.table(rank).parts(self._index, self._head, self._where, self._seen)
+                    got = self._tables.table(rank).parts(self._index, self._head, self._where, self._seen_so_far())
                     if not got:
                         raise ManifestError(f"{self._where}: lists rank {rank}, whose table holds "
                                             f"none of its parts")
@@ -180,7 +189,7 @@ class LazyParts(Sequence[PartRecord]):
         if self._layout is None:
             return [p for p in self._load() if (inter := p.box.intersect(box)) is not None and inter.numel]
         layout = self._layout
-        with self._lock:
+        with self._tables.lock:
             met = self._met.get(box)
             if met is not None:
                 return met
@@ -190,7 +199,7 @@ class LazyParts(Sequence[PartRecord]):
                 by_rank.setdefault(layout.writer(i), []).append(i)
             found: dict[int, PartRecord] = {}
             for rank, indices in by_rank.items():
-                got = self._tables.table(rank).parts(self._index, self._head, self._where, self._seen)
+                got = self._tables.table(rank).parts(self._index, self._head, self._where, self._seen_so_far())
                 mine = layout.written_by(rank)
                 where = f"{self._where} (table {table_key(self._tables.attempt, rank)})"
                 if sorted(p.path for p in got) != sorted(layout.path(i) for i in mine):
@@ -238,14 +247,16 @@ def lazy_tensors(heads: dict[str, tuple[str, tuple[int, ...], Encoding, Lossy | 
                  attempt: str, listed: dict[int, tuple[int, str]], packs: dict[int, int],
                  read: TableReader, where: str) -> dict[str, TensorRecord]:
     """A parsed record's tensors from their root fields (dtype, shape, encoding, lossy, parts
-    count, ranks, layout), their parts read from the tables on first use."""
-    ndims = [len(h[1]) for h in heads.values()]
-    owners = [frozenset(h[5]) for h in heads.values()]
-    tables = Tables(attempt, listed, packs, ndims, owners, read, where)
+    count, ranks, layout), their parts read from the tables on first use. Tensors given the same
+    fields object share what is made of it."""
+    made: dict[int, tuple[frozenset[int], TensorRecord]] = {}
+    owners = []
+    for h in heads.values():
+        if id(h) not in made:
+            made[id(h)] = frozenset(h[5]), TensorRecord(h[0], h[1], h[2], (), h[3])
+        owners.append(made[id(h)][0])
+    tables = Tables(attempt, listed, packs, [len(h[1]) for h in heads.values()], owners, read, where)
     out = {}
-    for i, (key, (dtype, shape, enc, lossy, count, _, layout)) in enumerate(heads.items()):
-        head = TensorRecord(dtype, shape, enc, (), lossy)
-        out[key] = TensorRecord(dtype, shape, enc,
-                                LazyParts(tables, i, count, head, layout, f"{where}: tensor {key!r}"), lossy)
+    for i, (key, h) in enumerate(heads.items()):
+        out[key] = TensorRecord(h[0], h[1], h[2], LazyParts(tables, i, h[4], made[id(h)][1], h[6], key), h[3])
     return out
-

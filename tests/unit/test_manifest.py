@@ -245,3 +245,40 @@ def test_a_damaged_record_leaves_other_steps_readable(tmp_path):
         assert ckpt.load(1)["w"].eq(1).all()
         with pytest.raises(DeltackptError, match="00000000000000000002.json"):
             ckpt.load(2)
+
+
+def test_tensors_with_the_same_root_fields_are_checked_once(tmp_path, monkeypatch):
+    # A state of thousands of small tensors holds a few distinct root entries: each is checked
+    # once per record, and every tensor still gets its own parts.
+    from deltackpt.format import record_checks
+
+    state = {f"t{i}": torch.full((2, 3) if i % 2 else (4,), float(i)) for i in range(40)}
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(0, state)
+        data = ckpt.store.storage.read(commit_key(0))
+        checked = []
+        real = record_checks._parse_tensor
+        monkeypatch.setattr(record_checks, "_parse_tensor", lambda *a: checked.append(a[2]) or real(*a))
+        m = ckpt.store.parse(commit_key(0), data)
+    assert len(checked) == 2
+    assert [p.path for p in m.tensors["t3"].parts] == [""] and m.tensors["t3"].shape == (2, 3)
+    assert {k: (r.shape, len(r.parts)) for k, r in m.tensors.items()} == {
+        k: (tuple(t.shape), 1) for k, t in state.items()}
+
+
+@pytest.mark.parametrize("value", ["[40, 3]", [40.0, 3], [True, 3], [40, 3, None]])
+def test_an_entry_like_a_valid_one_is_checked_on_its_own(stored, value):
+    # Only equal entries share a check: one that differs in a type alone is refused.
+    record, tables = stored
+    doc = json.loads(json.dumps(record))
+    doc["tensors"]["w2"] = dict(doc["tensors"]["w"], shape=value)
+    with pytest.raises(ManifestError, match="tensor 'w2'"):
+        parse(doc, tables)
+
+
+def test_a_bad_node_deep_in_the_tree_is_named_by_its_path(stored):
+    record, tables = stored
+    doc = json.loads(json.dumps(record))
+    doc["tree"] = {"dict": [["a", {"list": [{"value": 1}, {"dict": [[7, {"tensor": "nope"}]]}]}]]}
+    with pytest.raises(ManifestError, match=r"r: field 'tree'/a/1/7: tensor 'nope' is not in 'tensors'"):
+        parse(doc, tables)
