@@ -92,6 +92,10 @@ class PartLayout:
             i -= n
         raise IndexError(i)
 
+    def ranks(self) -> list[int]:
+        """The ranks whose tables list its parts, sorted."""
+        return [r for first, last in _merged(self.runs) for r in range(first, last + 1)]
+
     def written_by(self, rank: int) -> list[int]:
         """The parts rank ``rank``'s table lists."""
         out, at = [], 0
@@ -133,32 +137,54 @@ class PartLayout:
 def describe(shape: Sequence[int], boxes: Sequence[Box], writers: Sequence[int]) -> PartLayout | None:
     """The layout of parts of ``boxes`` (in path order) listed by the tables of ``writers``, or
     None when they follow none (see the module's docstring)."""
-    parts = len(writers)
+    axes = grid_of(shape, boxes)
+    runs = None if axes is None else runs_of(writers)
+    return None if axes is None or runs is None else PartLayout(axes, runs)
+
+
+def grid_of(shape: Sequence[int], boxes: Sequence[Box]) -> tuple[Axis, ...] | None:
+    """The grid whose cells, in row-major order, are ``boxes``, or None when they form none
+    (then they may or may not tile the tensor; when they do, they tile it exactly)."""
+    parts, ndim = len(boxes), len(shape)
     if not parts or not math.prod(shape):
         return None
-    offsets, ends = _corners(boxes, len(shape))
-    axes = []
-    for d, size in enumerate(shape):
-        starts = np.unique(offsets[:, d])
-        block = int(starts[1]) if len(starts) > 1 else size
-        if len(starts) == -(-size // block) and np.array_equal(starts, np.arange(0, size, block)):
-            axes.append(Axis(size, block))
-        elif starts[0] == 0 and len(starts) <= MAX_LISTED + 1:
-            axes.append(Axis(size, None, tuple(starts[1:].tolist())))
-        else:
+    flat = [x for b in boxes for x in b.offset]
+    sizes = [x for b in boxes for x in b.shape]
+    if len(flat) != parts * ndim or len(sizes) != parts * ndim:
+        return None
+    offsets = np.array(flat, np.int64).reshape(parts, ndim)
+    ends = offsets + np.array(sizes, np.int64).reshape(parts, ndim)
+    # An even split, read from the first box; else each dimension's cuts, listed.
+    axes = tuple(Axis(n, int(e)) if 0 < e <= n else Axis(n, n) for n, e in zip(shape, ends[0]))
+    if math.prod(a.count for a in axes) != parts or not _are_cells(axes, offsets, ends):
+        listed = []
+        for d, size in enumerate(shape):
+            starts = np.sort(offsets[:, d])
+            starts = starts[np.concatenate(([True], starts[1:] != starts[:-1]))]
+            if starts[0] != 0 or len(starts) > MAX_LISTED + 1 or starts[-1] >= size:
+                return None
+            listed.append(Axis(size, None, tuple(starts[1:].tolist())))
+        axes = tuple(listed)
+        if math.prod(a.count for a in axes) != parts or not _are_cells(axes, offsets, ends):
             return None
-    if math.prod(a.count for a in axes) != parts:
-        return None
-    lo, hi = _cells(axes)
-    if not (np.array_equal(offsets, lo) and np.array_equal(ends, hi)):
-        return None
+    return axes
+
+
+def runs_of(writers: Sequence[int]) -> tuple[tuple[int, int], ...] | None:
+    """``writers`` as runs ``(rank, count)`` of consecutive ranks, or None when they take more
+    than :data:`MAX_LISTED`."""
     ranks = np.asarray(writers, np.int64)
     breaks = np.flatnonzero(np.diff(ranks) != 1) + 1
-    if len(breaks) >= MAX_LISTED:
+    if len(breaks) >= MAX_LISTED or not len(ranks):
         return None
     starts = np.concatenate(([0], breaks))
-    stops = np.concatenate((breaks, [parts]))
-    return PartLayout(tuple(axes), tuple((int(ranks[a]), int(b - a)) for a, b in zip(starts, stops)))
+    stops = np.concatenate((breaks, [len(ranks)]))
+    return tuple((int(ranks[a]), int(b - a)) for a, b in zip(starts, stops))
+
+
+def _are_cells(axes: Sequence[Axis], offsets: np.ndarray, ends: np.ndarray) -> bool:
+    lo, hi = _cells(axes)
+    return np.array_equal(offsets, lo) and np.array_equal(ends, hi)
 
 
 def _corners(boxes: Sequence[Box], ndim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -171,10 +197,17 @@ def _cells(axes: Sequence[Axis]) -> tuple[np.ndarray, np.ndarray]:
     """Every cell's low and high corners, one row per cell in row-major order."""
     if not axes:
         return np.zeros((1, 0), np.int64), np.zeros((1, 0), np.int64)
-    edges = [np.array([a.bounds(i) for i in range(a.count)], dtype=np.int64).reshape(-1, 2) for a in axes]
+    edges = []
+    for a in axes:
+        if a.block is not None:
+            lo = np.arange(a.count, dtype=np.int64) * a.block
+            edges.append((lo, np.minimum(lo + a.block, a.size)))
+        else:
+            cuts = np.array([0, *a.cuts, a.size], np.int64)
+            edges.append((cuts[:-1], cuts[1:]))
     index = [k.reshape(-1) for k in np.meshgrid(*[np.arange(a.count) for a in axes], indexing="ij")]
-    return (np.stack([e[k, 0] for e, k in zip(edges, index)], axis=1),
-            np.stack([e[k, 1] for e, k in zip(edges, index)], axis=1))
+    return (np.stack([e[0][k] for e, k in zip(edges, index)], axis=1),
+            np.stack([e[1][k] for e, k in zip(edges, index)], axis=1))
 
 
 def parse_layout(doc: Any, shape: tuple[int, ...], parts: int, ranks: Sequence[tuple[int, int]],

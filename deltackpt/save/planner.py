@@ -25,7 +25,7 @@ from typing import Any
 from .. import statetree
 from ..collector import paused
 from ..errors import StateError, StepExistsError
-from ..format.part_layout import PartLayout, describe
+from ..format.part_layout import Axis, PartLayout, grid_of, runs_of
 from ..sharding import Box, check_tiling
 
 
@@ -65,10 +65,14 @@ class PartPlan:
 
 @dataclass(frozen=True)
 class TensorPlan:
+    """A tensor's parts, sorted by offset, and their layout if they follow one (see
+    :mod:`deltackpt.format.part_layout`)."""
+
     key: str
     dtype: str
     global_shape: tuple[int, ...]
     parts: tuple[PartPlan, ...]
+    layout: PartLayout | None = None
 
 
 @dataclass(frozen=True)
@@ -97,11 +101,8 @@ class GlobalPlan:
     def writers(self) -> dict[str, tuple[int, list[int], PartLayout | None]]:
         """Each tensor's part count, the sorted ranks that write its parts and their layout, if
         they follow one (what the root record lists of its parts), made once per plan."""
-        out = {}
-        for t in self.tensors.values():
-            writers = [p.writer for p in t.parts]
-            out[t.key] = (len(t.parts), sorted(set(writers)), describe(t.global_shape, [p.box for p in t.parts], writers))
-        return out
+        return {t.key: (len(t.parts), t.layout.ranks() if t.layout is not None else sorted({p.writer for p in t.parts}),
+                        t.layout) for t in self.tensors.values()}
 
 
 @dataclass(frozen=True)
@@ -167,16 +168,17 @@ def make_global_plan(local_plans: list[LocalPlan], tree: dict) -> GlobalPlan:
                 held.append(rank)
     load = {plan.rank: 0 for plan in local_plans}
     kept: dict[str, list[list[Any]]] = {}  # per tensor: [box, writer, holders], by offset
+    grids: dict[str, tuple[Axis, ...] | None] = {}
     shared: list[tuple[int, str, tuple[int, ...], list[Any]]] = []
     for key in sorted(holders):
         info = meta[key]
-        check_tiling(key, info.global_shape, [held[0] for held in holders[key].values()])
         empty = not math.prod(info.global_shape)
-        slots = []
+        slots, nothing = [], []
         for box, *ranks in holders[key].values():
             n = math.prod(box.shape) * info.itemsize
             if not n and not empty:
-                continue  # a rank holding none of a tensor (a 0-row shard) writes nothing
+                nothing.append(box)  # a rank holding none of a tensor (a 0-row shard) writes nothing
+                continue
             slot = [box, ranks[0], ranks]
             if len(ranks) == 1:
                 load[ranks[0]] += n
@@ -184,6 +186,12 @@ def make_global_plan(local_plans: list[LocalPlan], tree: dict) -> GlobalPlan:
                 shared.append((n, key, box.offset, slot))
             slots.append(slot)
         slots.sort(key=lambda s: s[0].offset)
+        # Boxes that are the cells of a grid tile the tensor, as the whole tensor would: only the
+        # empty ones are left to check (that they lie inside it).
+        grids[key] = grid_of(info.global_shape, [s[0] for s in slots])
+        check_tiling(key, info.global_shape,
+                     [Box((0,) * len(info.global_shape), info.global_shape), *nothing] if grids[key] is not None
+                     else [held[0] for held in holders[key].values()])
         kept[key] = slots
     shared.sort(key=lambda j: (-j[0], j[1], j[2]))
     for nbytes, _, _, slot in shared:
@@ -194,7 +202,9 @@ def make_global_plan(local_plans: list[LocalPlan], tree: dict) -> GlobalPlan:
     for key, slots in kept.items():
         whole = len(slots) == 1
         parts = tuple(PartPlan(b, w, "" if whole else f"p{i}") for i, (b, w, _) in enumerate(slots))
-        tensors[key] = TensorPlan(key, meta[key].dtype, meta[key].global_shape, parts)
+        grid, runs = grids[key], runs_of([w for _, w, _ in slots])
+        tensors[key] = TensorPlan(key, meta[key].dtype, meta[key].global_shape, parts,
+                                  None if grid is None or runs is None else PartLayout(grid, runs))
     return GlobalPlan(tensors, tree)
 
 

@@ -62,6 +62,28 @@ def test_every_message_arrives_whole(tmp_path, sizes, reply_size):
         assert got["after"] == list(range(world))
 
 
+class Collects:
+    """Unpickles to whether the cyclic collector runs meanwhile."""
+
+    def __reduce__(self):
+        return gc.isenabled, ()
+
+
+def paused_job(rank: int, world: int) -> list[bool]:
+    from deltackpt.wire import Wire
+
+    wire = Wire(dist.group.WORLD, rank, world, root=0)
+    return wire.gather_reply(Collects(), lambda got: got + [gc.isenabled()], per_rank=False)
+
+
+def test_the_root_unpickles_and_answers_a_gather_with_the_collector_paused(tmp_path):
+    # The coordinator receives thousands of local plans at once: collections of the objects
+    # they unpickle to took most of the time.
+    results = check_ok(run_ranks(paused_job, 2, str(tmp_path)))
+    assert results == [[False, False, False]] * 2
+    assert gc.isenabled()
+
+
 def close_job(rank: int, world: int, root: str) -> bool:
     from deltackpt import Checkpointer, Shard
 
