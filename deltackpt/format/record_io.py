@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import replace
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import overload
 
@@ -22,7 +23,7 @@ from ..sharding import Box
 from .layout import STEPS, table_name
 from .lossy import Lossy
 from .encodings import Encoding
-from .manifest import Manifest, PartRecord, TensorRecord
+from .manifest import LOSSY_FORMAT, Manifest, PartRecord, TensorRecord
 from .part_layout import PartLayout, describe
 from .part_tables import METADATA, Seen, Table, check_parts, decode_table, encode_table
 
@@ -63,19 +64,42 @@ def layout_of(shape: Sequence[int], parts: Sequence[PartRecord]) -> PartLayout |
 
 
 def encode_root(m: Manifest, tables: Mapping[int, tuple[int, str]],
-                held: Mapping[str, tuple[int, Sequence[int], PartLayout | None]]) -> bytes:
+                held: Mapping[str, tuple[int, Sequence[int], PartLayout | None]], *,
+                encoded: Mapping[str, str] | None = None) -> bytes:
     """The root record of ``m``, whose part tables (by writing rank, their size and checksum)
     are ``tables``; ``held`` gives each tensor's part count, the sorted ranks whose tables
     hold its parts and their layout, if any (``m``'s parts are not read: a save's coordinator
-    never holds them)."""
-    doc = m.root_doc()
-    for key in m.tensors:
-        parts, ranks, layout = held[key]
-        doc["tensors"][key] |= {"parts": parts, "ranks": _ranges(ranks)}
-        if layout is not None:
-            doc["tensors"][key]["layout"] = layout.to_doc()
+    never holds them). ``encoded``: fields already encoded (``tree``, and ``tensors`` as
+    :func:`tensor_entries` encodes them), which ``m``'s own fields are not read for."""
+    fields = dict(encoded or {})
+    if "tree" not in fields:
+        fields["tree"] = _dumps(m.tree)
+    if "tensors" not in fields:
+        fields["tensors"] = tensor_entries(m.tensors, held)
+    doc = replace(m, tensors={}, tree={}).root_doc()
+    if m.format == LOSSY_FORMAT:
+        doc["lossy"] = m.lossy
     doc["tables"] = [[rank, size, digest] for rank, (size, digest) in sorted(tables.items())]
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    # What json.dumps makes of ``doc`` with those fields' values in place.
+    return ("{" + ",".join(f"{_dumps(k)}:{fields[k] if k in fields else _dumps(v)}"
+                           for k, v in doc.items()) + "}").encode()
+
+
+def tensor_entries(tensors: Mapping[str, TensorRecord],
+                   held: Mapping[str, tuple[int, Sequence[int], PartLayout | None]]) -> str:
+    """The root's ``tensors`` field, encoded: each tensor's root fields, with its part count,
+    ranks and layout from ``held`` (see :func:`encode_root`)."""
+    doc = {}
+    for key, t in tensors.items():
+        parts, ranks, layout = held[key]
+        doc[key] = t.root_doc() | {"parts": parts, "ranks": _ranges(ranks)}
+        if layout is not None:
+            doc[key]["layout"] = layout.to_doc()
+    return _dumps(doc)
+
+
+def _dumps(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 
 def _ranges(ranks: Sequence[int]) -> list[list[int]]:

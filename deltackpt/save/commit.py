@@ -10,8 +10,10 @@ missing table, and nothing the coordinator does at a commit grows with the parts
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..collector import paused
@@ -29,7 +31,7 @@ from ..format.manifest import (
     TensorRecord,
 )
 from ..format.part_tables import encode_table
-from ..format.record_io import checksum, encode_root
+from ..format.record_io import checksum, encode_root, tensor_entries
 from ..format.zarr_meta import array_doc
 from ..ops.gc import holder_chain
 from ..ops.lease import Holding
@@ -98,13 +100,25 @@ def record_root(save: SavePlan, plan: GlobalPlan, written: Sequence[Written], *,
         packs.update(w.packs)
         for key, bound in w.bounds.items():
             bounds[key] = max(bounds.get(key, 0.0), bound)
-    tensors = {}
-    for t in plan.tensors.values():
-        rule = save.quantize[t.key].rule if t.key in save.quantize else None
-        enc = choose(kind, t.global_shape, rule is not None, t.key in aligned)
-        # The parts are not held here: the root lists their count and ranks (plan.writers).
-        tensors[t.key] = TensorRecord(t.dtype, t.global_shape, enc, (),
-                                      lossy_record(kind, t.key, head, rule, bounds.get(t.key, 0.0)))
+    pieces = _plan_pieces(plan)
+    encoded = {"tree": pieces.tree}
+    tensors: dict[str, TensorRecord] = {}
+    if restores is None and not save.quantize and (head is None or head.format == FORMAT):
+        # Nothing lossy (a format-4 head carries no loss): the entries depend on the plan, the
+        # kind and the aligned tensors alone, and are encoded once for them.
+        at = (kind, frozenset(aligned))
+        if at not in pieces.entries:
+            pieces.entries[at] = tensor_entries({t.key: TensorRecord(
+                t.dtype, t.global_shape, choose(kind, t.global_shape, False, t.key in aligned), ())
+                for t in plan.tensors.values()}, plan.writers)
+        encoded["tensors"] = pieces.entries[at]
+    else:
+        for t in plan.tensors.values():
+            rule = save.quantize[t.key].rule if t.key in save.quantize else None
+            enc = choose(kind, t.global_shape, rule is not None, t.key in aligned)
+            # The parts are not held here: the root lists their count and ranks (plan.writers).
+            tensors[t.key] = TensorRecord(t.dtype, t.global_shape, enc, (),
+                                          lossy_record(kind, t.key, head, rule, bounds.get(t.key, 0.0)))
     lossy = any(r.lossy is not None for r in tensors.values())
     quantize = None if restores is None else {
         "restores": restores, "tensors": {k: c.to_doc() for k, c in sorted(save.quantize.items())}}
@@ -126,11 +140,35 @@ def record_root(save: SavePlan, plan: GlobalPlan, written: Sequence[Written], *,
         tensors=tensors,
         packs=packs,
         bytes_written=sum(w.bytes_written for w in written),
-        state_bytes=sum(tensor_bytes(t) for t in plan.tensors.values()),
+        state_bytes=pieces.state_bytes,
         quantize=quantize,
         format=LOSSY_FORMAT if lossy or restores is not None else FORMAT,
     )
-    return encode_root(m, tables, plan.writers)
+    return encode_root(m, tables, plan.writers, encoded=encoded)
+
+
+@dataclass
+class _PlanPieces:
+    """What the root records of saves under one plan share, encoded once (a delta of 20,000
+    tiny tensors encoded them anew at each save): the tree, the state's bytes, and the tensors'
+    entries of a lossless root by kind and aligned tensors."""
+
+    plan: GlobalPlan
+    tree: str
+    state_bytes: int
+    entries: dict[tuple[Kind, frozenset[str]], str] = field(default_factory=dict)
+
+
+_last_plan: _PlanPieces | None = None  # the coordinator's plan stays the same from save to save
+
+
+def _plan_pieces(plan: GlobalPlan) -> _PlanPieces:
+    global _last_plan
+    pieces = _last_plan
+    if pieces is None or pieces.plan is not plan:
+        pieces = _last_plan = _PlanPieces(plan, json.dumps(plan.tree, separators=(",", ":"), allow_nan=False),
+                                          sum(tensor_bytes(t) for t in plan.tensors.values()))
+    return pieces
 
 
 def lossy_record(kind: Kind, key: str, head: Manifest | None, rule: Rowwise | None,

@@ -79,3 +79,57 @@ def test_flatten_reuses_the_shards_of_unchanged_tensors_only():
     assert renamed.reused == 1 and set(renamed.tensors) == {"c", "m/b"}
     b.resize_(4)
     assert statetree.flatten({"a": a, "m": {"b": b}}, reuse=moved).tensors["m/b"].local.shape == (4,)
+
+
+def test_roots_under_one_plan_encode_its_tensors_once(store_path, monkeypatch):
+    # The root's tree and tensor entries depend on the plan, the kind and the aligned tensors:
+    # deltas of thousands of tensors under one plan encode them once, not at every save.
+    from deltackpt.save import commit
+
+    encoded = []
+    real = commit.tensor_entries
+    monkeypatch.setattr(commit, "tensor_entries", lambda *a: encoded.append(len(a[0])) or real(*a))
+    state = tiny_state(300)
+    with Checkpointer(store_path, policy=EveryK(3)) as ckpt:
+        for step in range(6):  # base, delta, delta, base, delta, delta
+            state["t5"].view(-1)[0] += 1
+            ckpt.save(step, state)
+        assert_same_state(ckpt.load(5), state)
+    assert encoded == [300, 300]
+
+
+def test_a_root_from_the_kept_encoding_is_the_one_made_afresh(store_path, monkeypatch):
+    # Every root a save makes, with the plan's encoded pieces kept from earlier saves, has the
+    # bytes of one made without them: bases and deltas, aligned tensors, lossy deltas and a
+    # delta after a restore, a new plan.
+    from deltackpt import Rowwise
+    from deltackpt.save import commit
+
+    made = []
+    real = commit.record_root
+
+    def both(*args, **kwargs):
+        monkeypatch.setattr(commit.time, "time", lambda: 1.5)
+        kept = real(*args, **kwargs)
+        commit._last_plan = None
+        afresh = real(*args, **kwargs)
+        monkeypatch.undo()
+        monkeypatch.setattr(commit, "record_root", both)
+        made.append(kept == afresh)
+        return kept
+
+    monkeypatch.setattr(commit, "record_root", both)
+    state = tiny_state(40) | {"emb": torch.randn(30, 4), "emb_sum": torch.randn(30), "step": 0}
+    for quantize in (None, {"emb": Rowwise(bits=8)}):
+        path = os.path.join(store_path, str(quantize is not None))
+        with Checkpointer(path, policy=EveryK(3), aligned={"emb_sum": "emb"}, quantize=quantize) as ckpt:
+            for step in range(5):
+                state["emb"][step] += 1
+                state["emb_sum"][step] += 1
+                state["t3"].view(-1)[0] += 1
+                if step == 3:
+                    state["more"] = torch.ones(2)  # a new plan
+                ckpt.save(step, state)
+            ckpt.restore(state, 4)
+            ckpt.save(5, state)
+    assert made and all(made)
