@@ -17,6 +17,7 @@ import torch
 from ..errors import IntegrityError, KeyMismatchError, StateError
 from ..format import dtypes
 from ..format.manifest import TensorRecord
+from ..sharding import Box
 from .reader import ChainReader, Job
 
 
@@ -89,13 +90,17 @@ class RowReader(ChainReader):
         rec = self._record(key)
         uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
         dest = torch.empty((uniq.numel(), *rec.shape[1:]), dtype=dtypes.from_name(rec.dtype))
+        # The rows from the first to the last asked for: only the part tables of the parts they
+        # meet are read.
+        lo, hi = (int(uniq[0]), int(uniq[-1]) + 1) if uniq.numel() else (0, 0)
+        span = Box((lo, *(0,) * (len(rec.shape) - 1)), (hi - lo, *rec.shape[1:]))
         for m in self._chain:
             r = m.tensors.get(key)
             if r is None or r.dtype != rec.dtype or r.shape != rec.shape:
                 raise IntegrityError(m.step, key, "the tensor is missing, or its dtype or shape "
                                      "differs along the chain")
             jobs: list[Job] = []
-            for part in r.parts:
+            for part in r.parts_meeting(span):
                 a = int(torch.searchsorted(uniq, part.offset[0]))
                 b = int(torch.searchsorted(uniq, part.offset[0] + part.shape[0]))
                 if a < b:

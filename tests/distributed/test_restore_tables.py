@@ -80,6 +80,22 @@ def test_a_restore_reads_only_the_tables_of_the_parts_its_shards_meet(store, row
     assert sorted(read) == sorted(f"steps/{a}/parts.{r}" for a in attempts for r in ranks)
 
 
+@pytest.mark.parametrize("rows, ranks", [([14, 11, 14], {1}), ([25, 2], {0, 1, 2}), ([29], {2})])
+def test_a_load_of_some_rows_reads_only_the_tables_of_the_parts_that_hold_them(store, rows, ranks):
+    read: list[str] = []
+    with Checkpointer(store) as ckpt:
+        plain = ckpt.store.storage.read
+
+        def spy(key: str, *args, **kwargs):
+            if "/parts." in key:
+                read.append(key)
+            return plain(key, *args, **kwargs)
+
+        ckpt.store.storage.read = spy
+        assert torch.equal(ckpt.load(2, key="t/emb", rows=rows), full(2)["emb"][rows])
+    assert {key.rsplit(".", 1)[1] for key in read} == {str(r) for r in ranks}
+
+
 def tampered(store: Path, change) -> tuple[bytes, dict[str, bytes]]:
     """Step 1's root with ``change`` applied to its document, and its tables by key."""
     doc = json.loads((store / f"commits/{1:020d}.json").read_bytes())
