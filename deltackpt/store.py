@@ -220,16 +220,17 @@ class Store:
             self._remember(key, root, manifest.step, manifest.attempt)
         return done
 
-    def commit_root(self, step: int, root: bytes) -> Manifest | None:
+    def commit_root(self, step: int, root: bytes, *, parsed: Manifest | None = None) -> Manifest | None:
         """Creates the root record ``root`` of ``step`` if absent, every part table it names
         durable already (a save's ranks each wrote their own); returns the record as parsed (its
-        parts read from the tables on first use), or None if the step exists already.
+        parts read from the tables on first use; ``parsed``: what :meth:`parse` gives of
+        ``root``, made by its maker), or None if the step exists already.
 
         Raises:
             ManifestError: ``root`` is not a record of ``step``.
         """
         key = commit_key(step)
-        manifest = self.parse(key, root)
+        manifest = self.parse(key, root) if parsed is None else parsed
         if manifest.step != step:
             raise ManifestError(f"{key}: records step {manifest.step}, not {step}")
         if not self.storage.put_if_absent(key, root):

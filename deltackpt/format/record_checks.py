@@ -111,7 +111,7 @@ def _parse(doc: Any, where: str, read: TableReader) -> Manifest:
             head = parsed[same] = _parse_tensor(rec, fmt, f"{where}: tensor {key!r}")
         heads[key] = head
     tensors = lazy_tensors(heads, attempt, _tables(doc, where),
-                           {int(name[5:]): _room(files) for name, files in packs.items()}, read, where)
+                           {int(name[5:]): pack_room(files) for name, files in packs.items()}, read, where)
     created = _field(doc, "created", (int, float), where)
     if not math.isfinite(created):
         raise ManifestError(f"{where}: field 'created' has a bad value {created!r}")
@@ -277,7 +277,7 @@ def _tables(doc: dict[str, Any], where: str) -> dict[int, tuple[int, str]]:
     return out
 
 
-def _room(files: ChunkMap) -> int:
+def pack_room(files: ChunkMap) -> int:
     """The bytes of a pack (its files ``c.0``, ``c.1``, ... of one size)."""
     return files["c.0"][0] * sum(name.startswith("c.") for name in files)
 

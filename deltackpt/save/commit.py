@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..collector import paused
@@ -31,7 +31,9 @@ from ..format.manifest import (
     TensorRecord,
 )
 from ..format.part_tables import encode_table
-from ..format.record_io import checksum, encode_root, tensor_entries
+from ..format.part_layout import PartLayout
+from ..format.record_checks import TensorHead, pack_room
+from ..format.record_io import checksum, encode_root, lazy_tensors, tensor_entries
 from ..format.zarr_meta import array_doc
 from ..ops.gc import holder_chain
 from ..ops.lease import Holding
@@ -90,6 +92,40 @@ def record_root(save: SavePlan, plan: GlobalPlan, written: Sequence[Written], *,
     ranks that wrote them, which ``written`` lists by rank), each lossy tensor's scheme and
     bounds, and with ``restores`` (the checkpointer has ``quantize=``) the quantization
     decisions, in a format-5 record. ``aligned``: the 1-d tensors whose changes are rows."""
+    return _root(save, plan, written, head=head, world_size=world_size, policy=policy, restores=restores,
+                 aligned=aligned).encode()
+
+
+@dataclass(frozen=True)
+class _Root:
+    """A root record as :func:`record_root` makes it: ``m`` but its encoded ``fields``, the part
+    tables it names, and for a lossless root the tensors' fields as a reader parses them."""
+
+    m: Manifest
+    tables: dict[int, tuple[int, str]]
+    held: dict[str, tuple[int, list[int], PartLayout | None]]
+    fields: dict[str, str]
+    heads: dict[str, TensorHead] | None
+
+    def encode(self) -> bytes:
+        return encode_root(self.m, self.tables, self.held, encoded=self.fields)
+
+    def parsed(self, store: Store) -> Manifest | None:
+        """For a lossless root, what parsing its bytes in ``store`` gives (see
+        :func:`~deltackpt.format.record_checks.parse_manifest`), made of what it was made of:
+        a root of thousands of tensors takes a tenth of a second to parse. Else None."""
+        if self.heads is None:
+            return None
+        m = self.m
+        rooms = {int(name[5:]): pack_room(files) for name, files in m.packs.items()}
+        return replace(m, tensors=lazy_tensors(self.heads, m.attempt, self.tables, rooms, store.read_table,
+                                               commit_key(m.step)))
+
+
+@paused()
+def _root(save: SavePlan, plan: GlobalPlan, written: Sequence[Written], *, head: Manifest | None,
+          world_size: int, policy: dict[str, Any], restores: int | None, aligned: Collection[str]) -> _Root:
+    """See :func:`record_root`."""
     step, kind, attempt = save.step, save.kind, save.attempt
     packs: dict[str, ChunkMap] = {}
     bounds: dict[str, float] = {}
@@ -103,15 +139,16 @@ def record_root(save: SavePlan, plan: GlobalPlan, written: Sequence[Written], *,
     pieces = _plan_pieces(plan)
     encoded = {"tree": pieces.tree}
     tensors: dict[str, TensorRecord] = {}
+    heads = None
     if restores is None and not save.quantize and (head is None or head.format == FORMAT):
         # Nothing lossy (a format-4 head carries no loss): the entries depend on the plan, the
         # kind and the aligned tensors alone, and are encoded once for them.
         at = (kind, frozenset(aligned))
         if at not in pieces.entries:
-            pieces.entries[at] = tensor_entries({t.key: TensorRecord(
-                t.dtype, t.global_shape, choose(kind, t.global_shape, False, t.key in aligned), ())
-                for t in plan.tensors.values()}, plan.writers)
-        encoded["tensors"] = pieces.entries[at]
+            records = {t.key: TensorRecord(t.dtype, t.global_shape, choose(kind, t.global_shape, False, t.key in aligned), ())
+                       for t in plan.tensors.values()}
+            pieces.entries[at] = tensor_entries(records, plan.writers), _heads(records, plan.writers)
+        encoded["tensors"], heads = pieces.entries[at]
     else:
         for t in plan.tensors.values():
             rule = save.quantize[t.key].rule if t.key in save.quantize else None
@@ -144,7 +181,7 @@ def record_root(save: SavePlan, plan: GlobalPlan, written: Sequence[Written], *,
         quantize=quantize,
         format=LOSSY_FORMAT if lossy or restores is not None else FORMAT,
     )
-    return encode_root(m, tables, plan.writers, encoded=encoded)
+    return _Root(m, tables, plan.writers, encoded, heads)
 
 
 @dataclass
@@ -156,10 +193,25 @@ class _PlanPieces:
     plan: GlobalPlan
     tree: str
     state_bytes: int
-    entries: dict[tuple[Kind, frozenset[str]], str] = field(default_factory=dict)
+    entries: dict[tuple[Kind, frozenset[str]], tuple[str, dict[str, TensorHead]]] = field(default_factory=dict)
 
 
 _last_plan: _PlanPieces | None = None  # the coordinator's plan stays the same from save to save
+
+
+def _heads(tensors: Mapping[str, TensorRecord], held: Mapping[str, tuple[int, list[int], PartLayout | None]]
+           ) -> dict[str, TensorHead]:
+    """The lossless ``tensors``' fields as a reader parses them from the root (see
+    :func:`~deltackpt.format.record_checks.parse_manifest`), those of equal fields one object."""
+    made: dict[tuple[Any, ...], TensorHead] = {}
+    out = {}
+    for key, t in tensors.items():
+        count, ranks, layout = held[key]
+        at = (t.dtype, t.shape, t.encoding.name, count, tuple(ranks), layout)
+        if at not in made:
+            made[at] = (t.dtype, t.shape, t.encoding, None, count, list(ranks), layout)
+        out[key] = made[at]
+    return out
 
 
 def _plan_pieces(plan: GlobalPlan) -> _PlanPieces:
@@ -195,13 +247,14 @@ def commit(store: Store, save: SavePlan, plan: GlobalPlan, written: Sequence[Wri
             the new holder builds on it, see :func:`withdraw`).
         StepExistsError: another writer committed the step meanwhile.
     """
-    root = record_root(save, plan, written, head=head, world_size=world_size,
-                       policy={"name": policy, "decision": str(save.kind), "reason": save.reason},
-                       restores=restores, aligned=aligned)
+    made = _root(save, plan, written, head=head, world_size=world_size,
+                 policy={"name": policy, "decision": str(save.kind), "reason": save.reason},
+                 restores=restores, aligned=aligned)
+    root = made.encode()
     if lease is None:
         raise StepExistsError(f"step {save.step}: the coordinator holds no writer lease")
     lease.check()
-    manifest = store.commit_root(save.step, root)
+    manifest = store.commit_root(save.step, root, parsed=made.parsed(store))
     if manifest is None:
         lease.check()
         raise StepExistsError(f"step {save.step} was committed by another writer meanwhile")
