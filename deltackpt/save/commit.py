@@ -60,11 +60,16 @@ def part_table(save: SavePlan, rank: int, items: Sequence[WriteItem], index: Seq
     entries = []
     files = 0
     rows = 0
-    for it, i in zip(items, index):
+    unchanged = _unchanged_parts(save, rank, index, sizes, aligned)
+    for n, (it, i) in enumerate(zip(items, index)):
         key, part, t = it.key, it.part, it.tensor
+        changed = held[(key, part.path)]
+        if unchanged is not None and not changed and (key, part.path) not in result.files:
+            if unchanged[n] is not None:  # as the entry below makes it
+                entries.append(unchanged[n])
+                continue
         rule = save.quantize[key].rule if key in save.quantize else None
         enc = choose(save.kind, shapes[key], rule is not None, key in aligned)
-        changed = held[(key, part.path)]
         cs = enc.chunk_shape(part.box.shape, t.element_size(), changed, sizes, rule)
         chunks: ChunkMap = dict(result.files.get((key, part.path), {}))
         for a in described(save.kind, t.dtype, shapes[key], part.box.shape, sizes):
@@ -78,10 +83,32 @@ def part_table(save: SavePlan, rank: int, items: Sequence[WriteItem], index: Seq
         entries.append((i, TensorRecord(dtypes.name(t.dtype), shapes[key], enc, ()),
                         PartRecord(part.box.offset, part.box.shape, part.path, cs, changed, chunks,
                                    pack_name(rank) if packed else None, rank)))
+        if unchanged is not None and not changed and not chunks:
+            unchanged[n] = entries[-1]
     table = encode_table(entries) if entries else None
     files += sum(e[0] for chunks in result.packs.values() for e in chunks.values() if len(e) == 2)
     return table, Written(None if table is None else (len(table), checksum(table)), dict(result.packs), files,
                           rows, dict(result.bounds))
+
+
+# The entries of a rank's unchanged delta parts under its last assignment (by the tensors'
+# indexes in the root, which the assignment keeps from save to save): the same at every delta.
+_last_unchanged: tuple[tuple[Any, ...], list[tuple[int, TensorRecord, PartRecord] | None]] | None = None
+
+
+def _unchanged_parts(save: SavePlan, rank: int, index: Sequence[int], sizes: tuple[int, int],
+                     aligned: Collection[str]) -> list[tuple[int, TensorRecord, PartRecord] | None] | None:
+    """The table entries of the parts of a delta's ``index`` made so far for a part that holds
+    nothing (by position; None where none was made yet), or None for a save whose entries are
+    not kept (a base, a quantized delta)."""
+    global _last_unchanged
+    if save.kind != Kind.DELTA or save.quantize:
+        return None
+    at = (index, rank, sizes, frozenset(aligned))
+    last = _last_unchanged
+    if last is None or last[0][0] is not index or last[0][1:] != at[1:]:
+        last = _last_unchanged = at, [None] * len(index)
+    return last[1]
 
 
 @paused()
