@@ -199,9 +199,8 @@ class LazyParts(Sequence[PartRecord]):
 
     def _check_layout(self, parts: list[PartRecord], layout: PartLayout) -> None:
         """Checks every part (distinct paths, sorted) against ``layout``."""
-        if [p.path for p in parts] != [layout.path(i) for i in range(len(parts))]:
-            why = "its parts' paths are not those of its layout"
-        else:
+        why: str | None = "its parts' paths are not those of its layout"
+        if [p.path for p in parts] == [layout.path(i) for i in range(len(parts))]:
             why = layout.problem([p.box for p in parts], [p.rank for p in parts])
         if why is not None:
             raise ManifestError(f"{self._where}: {why}")

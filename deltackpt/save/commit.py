@@ -65,8 +65,9 @@ def part_table(save: SavePlan, rank: int, items: Sequence[WriteItem], index: Seq
         key, part, t = it.key, it.part, it.tensor
         changed = held[(key, part.path)]
         if unchanged is not None and not changed and (key, part.path) not in result.files:
-            if unchanged[n] is not None:  # as the entry below makes it
-                entries.append(unchanged[n])
+            kept = unchanged[n]
+            if kept is not None:  # as the entry below makes it
+                entries.append(kept)
                 continue
         rule = save.quantize[key].rule if key in save.quantize else None
         enc = choose(save.kind, shapes[key], rule is not None, key in aligned)
