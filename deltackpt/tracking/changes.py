@@ -224,22 +224,29 @@ class ChangeTracker:
         writer left unhashed (or hashed from marks only: a stray change the base stores is then
         no change to the next audit). Call it once the base is staged, before the training
         changes the tensors again."""
-        hashes = self.hash_many({k: tensors[k] for k, ch in changes.items() if ch.partial or ch.hashes is None})
-        return {k: TensorChange(ch.changed, hashes[k], aligned=ch.aligned) if k in hashes else ch
-                for k, ch in changes.items()}
+        hashes, joined = self.hash_many({k: tensors[k] for k, ch in changes.items() if ch.partial or ch.hashes is None})
+        out = {k: TensorChange(ch.changed, hashes[k], aligned=ch.aligned) if k in hashes else ch
+               for k, ch in changes.items()}
+        if joined is not None and (self._scanned_joined is None or len(joined.keys) > len(self._scanned_joined[0].keys)):
+            # So that the next delta compares with these hashes as they are, once adopted.
+            self._scanned_joined = joined, [out[k] for k in joined.keys]
+        return out
 
-    def hash_many(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def hash_many(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], _Joined | None]:
         """:meth:`hash` of every tensor (by key: by rows or chunks as :meth:`by_rows` says); the
         small CPU ones all in one call on the calling thread
         (:func:`deltackpt.kernels.hash_segments`): a state of thousands of tiny tensors costs
-        one call, not thousands, and wakes no thread."""
+        one call, not thousands, and wakes no thread. Returns the hashes by key (those of that
+        call are views of its hashes), and what that call hashed, if any."""
         pieces = {k: p for k, t in tensors.items() if (p := self._piece(t, self.by_rows(k, t)))}
-        found = {}
+        found, joined = {}, None
         if pieces:
             small = [tensors[k] for k in pieces]
-            flat = kernels.hash_segments(small, list(pieces.values()))
-            found = dict(zip(pieces, flat.split([t.nbytes // p for t, p in zip(small, pieces.values())])))
-        return {k: found[k] if k in found else self.hash(t, self.by_rows(k, t)) for k, t in tensors.items()}
+            sizes = [t.nbytes // p for t, p in zip(small, pieces.values())]
+            joined = _Joined(list(pieces), list(pieces.values()), np.cumsum(sizes),
+                             kernels.hash_segments(small, list(pieces.values())))
+            found = dict(zip(pieces, joined.hashes.split(sizes)))
+        return {k: found[k] if k in found else self.hash(t, self.by_rows(k, t)) for k, t in tensors.items()}, joined
 
     def row_hashed(self, tensors: Mapping[str, torch.Tensor]) -> set[str]:
         """The keys of ``tensors`` whose references are a hash per row (the others': per chunk)."""
@@ -343,9 +350,11 @@ class ChangeTracker:
         if scanned is None:
             return None
         joined, made = scanned
-        if all(changes.get(k) is ch for k, ch in zip(joined.keys, made)):
-            return joined
-        return None
+        if not all(changes.get(k) is ch for k, ch in zip(joined.keys, made)):
+            return None
+        for key, piece in zip(joined.keys, joined.pieces):  # as _scan_all would find them
+            self._refs[key].piece = piece
+        return joined
 
     def _aligned_1d(self, key: str, t: torch.Tensor) -> bool:
         """Whether ``t`` is a 1-d tensor whose changes are rows (see :meth:`RowTracker.aligned`)."""

@@ -466,3 +466,19 @@ def test_scans_stay_exact_over_saves_that_reuse_the_joined_references():
             changes = tracker.hash_whole(state, changes)
         tracker.adopt(state, changes, base=save == 0)
         committed = {k: t.clone() for k, t in state.items()}
+
+
+def test_the_first_delta_after_a_base_compares_with_the_base_hashes_kept_joined(monkeypatch):
+    # A base's small tensors, hashed in one call by hash_whole, stay joined as the references of
+    # the next delta's scan: it neither joins 20,000 references again nor sizes their pieces.
+    state = {f"s{i}": torch.randn(4, 5) for i in range(50)} | {"v": torch.randn(100)}
+    tracker = ChangeTracker(256)
+    tracker.adopt(state, tracker.hash_whole(state, tracker.scan(state)), base=True)
+    joined = []
+    monkeypatch.setattr(torch, "cat", lambda *a, **k: joined.append(a) or torch.tensor([]))
+    monkeypatch.setattr(tracker, "_piece", lambda *a: pytest.fail("a piece sized again"))
+    state["s7"][2] += 1
+    changes = tracker.scan(state)
+    assert not joined
+    assert {k for k, ch in changes.items() if ch.changed.numel()} == {"s7"}
+    assert changes["s7"].changed.tolist() == [2]
