@@ -202,7 +202,7 @@ class Checkpointer:
         """
         self.wait()
         t0 = time.perf_counter()
-        finish = self._saver.stage(step, state, t0)
+        finish = self._saver.stage(step, state, t0, blocking=blocking)
         if blocking:
             return finish(None)
         blocked = time.perf_counter() - t0

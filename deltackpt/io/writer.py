@@ -10,7 +10,9 @@ A delta's chunks go back to back into one pack per writing rank instead (see
 :mod:`deltackpt.io.pack`), and the record gives each chunk's offset in it beside its size and
 checksum. A chunk already in a staging buffer of its own (a delta's gathered rows) is appended
 by the pack thread, with its rows' hashes, so that the saving thread only gathers: it returns
-to training sooner. A small one is appended by the saving thread (see :data:`HAND_OFF_BYTES`).
+to training sooner. A small one is appended by the saving thread (see :data:`HAND_OFF_BYTES`),
+or for a non-blocking save (``defer``) by its background thread when it finishes the writer,
+while staging buffers allow.
 """
 
 from __future__ import annotations
@@ -70,10 +72,12 @@ class StepWriter:
             per chunk.
         packer: one thread that appends staged chunks to the pack (None: the calling thread
             appends every chunk).
+        defer: small staged chunks are appended by :meth:`finish` instead of the put (the saving
+            thread of a non-blocking save returns without them).
     """
 
     def __init__(self, storage: Storage, folder: str, pool: StagingPool, executor: Executor,
-                 pack: str | None = None, packer: Executor | None = None):
+                 pack: str | None = None, packer: Executor | None = None, defer: bool = False):
         self._storage = storage
         self._folder = folder
         self.pool = pool
@@ -84,6 +88,9 @@ class StepWriter:
         self._packer = packer if pool.buffers > 2 else None
         self._ahead = threading.Semaphore(max(0, pool.buffers - 2))
         self._appends: list[Future[None]] = []
+        # Appends of small staged chunks left to finish(), each with its buffer's release.
+        self._defer = defer
+        self._deferred: list[tuple[Callable[[], None], Callable[[], None]]] = []
         self._appending = threading.Lock()  # one append at a time, from either thread
         self._lock = threading.Lock()
         self.results: dict[tuple[str, str], ChunkMap] = {}
@@ -128,7 +135,8 @@ class StepWriter:
 
         Raises the first write error, after every write has ended.
         """
-        error = self._wait(self._appends)
+        error = self._run_deferred()
+        error = self._wait(self._appends) or error
         if self._pack is not None:
             try:
                 self._pack.close()
@@ -142,10 +150,25 @@ class StepWriter:
     def abandon(self) -> None:
         """After a failure: waits for the queued writes and gives back every staging buffer,
         ignoring write errors (the failure that led here is the one to report)."""
+        deferred, self._deferred = self._deferred, []
+        for _, release in deferred:
+            release()
+            self._ahead.release()
         self._wait(self._appends)  # before the pack ends: none may start it again
         if self._pack is not None:
             self._pack.discard()
         self._wait(self._futures)
+
+    def _run_deferred(self) -> BaseException | None:
+        """Runs the appends left to :meth:`finish`; returns the first error."""
+        error = None
+        deferred, self._deferred = self._deferred, []
+        for job, _ in deferred:
+            try:
+                job()
+            except BaseException as e:  # noqa: BLE001 - every buffer must go back
+                error = error or e
+        return error
 
     @staticmethod
     def _wait(futures: list[Future[None]]) -> BaseException | None:
@@ -168,8 +191,8 @@ class StepWriter:
         of each of ``data``'s rows goes there first, on the write's thread (for the pack, on the
         thread that appends it). ``packed``: into the pack, or a file (None: into the pack if the
         writer has one). With ``release``, ``data`` is the put's until it is called (a staging
-        buffer of its own): the packer may append it later; without, it is read before this
-        returns."""
+        buffer of its own): the packer or :meth:`finish` may append it later; without, it is read
+        before this returns."""
         owned = release is not None
         release = release or (lambda: None)
         if data.device.type != "cpu":
@@ -196,7 +219,7 @@ class StepWriter:
 
         self._submit(key, path, name, parts, release,
                      packed=self._pack is not None if packed is None else packed,
-                     owned=owned and data.nbytes >= HAND_OFF_BYTES)
+                     owned=owned, large=data.nbytes >= HAND_OFF_BYTES)
 
     def gather(self, flat: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copies rows ``ids`` of ``flat`` (CPU) into ``out`` (a staging buffer), in pieces of at
@@ -218,7 +241,7 @@ class StepWriter:
 
     def _submit(self, key: str, path: str, name: str, parts: Callable[[], list[memoryview]],
                 release: Callable[[], None] = lambda: None, *, packed: bool = False,
-                owned: bool = False) -> None:
+                owned: bool = False, large: bool = False) -> None:
         chunks = self.results.setdefault((key, path), {})
         if packed:
             pack = self._pack
@@ -232,9 +255,16 @@ class StepWriter:
                 finally:
                     release()
 
-            if owned and self._packer is not None:
-                self._ahead.acquire()
+            if owned and large and self._packer is not None:
+                if not self._ahead.acquire(blocking=False):
+                    error = self._run_deferred()  # they hold buffers only this thread gives back
+                    if error is not None:
+                        release()
+                        raise error
+                    self._ahead.acquire()
                 self._appends.append(self._packer.submit(_then(append, self._ahead.release)))
+            elif owned and self._defer and self._ahead.acquire(blocking=False):
+                self._deferred.append((_then(append, self._ahead.release), release))
             else:
                 append()
             return

@@ -81,10 +81,11 @@ class Saver:
         self._packer = started_pool(1, "deltackpt-pack")  # appends a delta's gathered rows
 
     @paused()  # per-tensor objects by the thousand, no cycles: collections would walk them all
-    def stage(self, step: int, state: Mapping[str, Any], t0: float
+    def stage(self, step: int, state: Mapping[str, Any], t0: float, *, blocking: bool = True
               ) -> Callable[[float | None], SaveInfo]:
         """Every phase up to ``stage``; returns ``finish(blocked_seconds)``, the write and commit
-        (``blocked_seconds`` None: the caller waits for them too)."""
+        (``blocked_seconds`` None: the caller waits for them too; without ``blocking`` they run
+        in the background, which then also appends a delta's small chunks to the pack)."""
         storage = self.store.storage
         coordinator = self._coll.is_coordinator
         items = self._write_items(step, state)
@@ -109,7 +110,8 @@ class Saver:
             if published is not None:
                 wait([published])  # never left running behind a failed save
         plan = self._planner.plan if coordinator else None  # only the coordinator holds it
-        writers = [open_writer(storage, save, self._coll.rank, self._pool, self._executor, self._packer)]
+        writers = [open_writer(storage, save, self._coll.rank, self._pool, self._executor, self._packer,
+                               blocking=blocking)]
         if coordinator:
             writers.append(StepWriter(storage, f"{STEPS}/{save.attempt}", self._pool, self._executor))
         held = counts(save.kind, ((it.key, it.part) for it in items), mine)

@@ -94,11 +94,12 @@ def stage_part(writer: StepWriter, kind: Kind, item: WriteItem, change: TensorCh
 
 
 def open_writer(storage: Storage, save: SavePlan, rank: int, pool: StagingPool,
-                executor: Executor, packer: Executor | None = None) -> StepWriter:
-    """The writer of ``rank``'s chunks of the step, with its pack (appended by ``packer``, see
+                executor: Executor, packer: Executor | None = None, *, blocking: bool = True) -> StepWriter:
+    """The writer of ``rank``'s chunks of the step, with its pack (appended by ``packer``, and
+    without ``blocking`` its small chunks by the background, see
     :class:`~deltackpt.io.writer.StepWriter`)."""
     return StepWriter(storage, f"{STEPS}/{save.attempt}", pool, executor, pack=pack_name(rank),
-                      packer=packer)
+                      packer=packer, defer=not blocking)
 
 
 def stage(writers: list[StepWriter], save: SavePlan, items: tuple[WriteItem, ...],
