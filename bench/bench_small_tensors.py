@@ -1,6 +1,6 @@
-"""Many small tensors: a base, a one-row delta and a load of a state of N tiny tensors (an LLM's
-parameters, optimizer state and buffers), against ``torch.save`` / ``torch.load`` of the same
-state, with the files and the record size each base costs.
+"""Many small tensors: a base, a one-row delta, the next one-row delta and a load of a state of N
+tiny tensors (an LLM's parameters, optimizer state and buffers), against ``torch.save`` /
+``torch.load`` of the same state, with the files and the record size each base costs.
 
 Run: ``python bench/bench_small_tensors.py [--tensors 20000] [--repeat 3] [--dir DIR]``.
 Prints one line per measure (the median of ``--repeat`` runs); ``--json PATH`` writes them as JSON.
@@ -70,6 +70,12 @@ def run(n: int, where: str) -> dict[str, float]:
         info = ckpt.save(1, state)
         out["one-row delta s"] = time.perf_counter() - t0
         assert info.kind == "delta", info
+        # The next delta: what the first one after a base encodes once (its root's entries, its
+        # unchanged parts) is kept for the deltas after it.
+        state["layer0/p2"][3, 6] += 1
+        t0 = time.perf_counter()
+        ckpt.save(2, state)
+        out["next delta s"] = time.perf_counter() - t0
     with Checkpointer(root, create=False) as ckpt:
         t0 = time.perf_counter()
         ckpt.load(1)
@@ -97,7 +103,8 @@ def main() -> None:
     for k, v in med.items():
         print(f"  {k:<20} {v:.3f}" if v < 1000 else f"  {k:<20} {v:.0f}")
     print(f"  {'base / torch.save':<20} {med['base save s'] / med['torch.save s']:.3f}")
-    peers = {"base save s": "torch.save s", "one-row delta s": "torch.save s", "load s": "torch.load s"}
+    peers = {"base save s": "torch.save s", "one-row delta s": "torch.save s", "next delta s": "torch.save s",
+             "load s": "torch.load s"}
     write_figures(args.json, "bench_small_tensors", args, [
         figure(k.removesuffix(" s"), v, "s" if k.endswith(" s") else ("files" if k == "base files" else "B"),
                peer=peers[k].removesuffix(" s") if k in peers else None, peer_runs=runs.get(peers.get(k, "")))
