@@ -85,7 +85,12 @@ class Saver:
               ) -> Callable[[float | None], SaveInfo]:
         """Every phase up to ``stage``; returns ``finish(blocked_seconds)``, the write and commit
         (``blocked_seconds`` None: the caller waits for them too; without ``blocking`` they run
-        in the background, which then also appends a delta's small chunks to the pack)."""
+        in the background, which then also appends a delta's small chunks to the pack).
+
+        ``stage`` ends in a round of its own, so that a save in the background returns only once
+        every rank has staged; a ``blocking`` save returns after its commit, so each rank stages
+        in the write round instead, which tells every rank of any rank's failure the same way:
+        a 2-rank delta is three round trips, not four."""
         storage = self.store.storage
         coordinator = self._coll.is_coordinator
         items = self._write_items(step, state)
@@ -115,22 +120,30 @@ class Saver:
         if coordinator:
             writers.append(StepWriter(storage, f"{STEPS}/{save.attempt}", self._pool, self._executor))
         held = counts(save.kind, ((it.key, it.part) for it in items), mine)
-        try:
-            _, staged = self._coll.gather("stage", lambda: (None, stage(
-                writers, save, items, changes, held, self._sizes, plan=plan)),
-                lambda _: None, then_phase="stage")
-        except BaseException:
-            for w in writers:  # another rank failed: end the writes staged here
-                w.abandon()
-            raise
         tensors = {it.key: it.tensor for it in items}
-        if save.kind == Kind.BASE:  # hashed now, as staged: the background may run on after
-            staged = self._tracker.hash_whole(tensors, staged)
+
+        @paused()
+        def stage_here() -> dict[str, TensorChange]:
+            staged = stage(writers, save, items, changes, held, self._sizes, plan=plan)
+            if save.kind == Kind.BASE:  # hashed now, as staged: the background may run on after
+                staged = self._tracker.hash_whole(tensors, staged)
+            return staged
+
+        staging = stage_here
+        if not blocking:
+            try:
+                _, staged = self._coll.gather("stage", lambda: (None, stage_here()), lambda _: None,
+                                              then_phase="stage")
+            except BaseException:
+                for w in writers:  # another rank failed: end the writes staged here
+                    w.abandon()
+                raise
+            staging = partial(dict, staged)
         assert self._assignment is not None  # _write_items set it
         table = partial(part_table, save, self._coll.rank, items, self._assignment.index, self._shapes, held,
                         sizes=self._sizes, aligned={s.key for s in mine if s.aligned})
         record = partial(self._commit, save, aligned)
-        return partial(self._write_and_commit, save, table, record, writers, tensors, staged, t0)
+        return partial(self._write_and_commit, save, table, record, writers, tensors, staging, t0)
 
     def _publish(self, attempt: str) -> Future[None]:
         """Coordinator: starts writing the head and ``attempt`` into the lease on an I/O thread
@@ -141,12 +154,13 @@ class Saver:
 
     def _write_and_commit(self, save: SavePlan, table: Callable[[WriteResult], tuple[bytes | None, Written]],
                           record: Callable[[list[Written]], Committed], writers: list[StepWriter],
-                          tensors: dict[str, torch.Tensor], staged: dict[str, TensorChange], t0: float,
-                          blocked: float | None) -> SaveInfo:
+                          tensors: dict[str, torch.Tensor], staging: Callable[[], dict[str, TensorChange]],
+                          t0: float, blocked: float | None) -> SaveInfo:
         """The phases after ``stage``, on the caller's thread or in the background: every rank
-        writes its part table once its chunks are written (``table`` makes it of what was
-        written), makes both durable and sends the coordinator alone what the root needs of it;
-        the coordinator commits and tells every rank what."""
+        stages (``staging``, unless it has staged already: it returns what was staged), writes
+        its part table once its chunks are written (``table`` makes it of what was written),
+        makes both durable and sends the coordinator alone what the root needs of it; the
+        coordinator commits and tells every rank what."""
         storage = self.store.storage
         key = table_key(save.attempt, self._coll.rank)
 
@@ -154,8 +168,11 @@ class Saver:
             data, sent = table(result)
             return ({} if data is None else {key: data}), sent
 
-        done, _ = self._coll.gather("write", lambda: (write(storage, writers, files), None), record,
-                                    then_phase="commit")
+        def write_here() -> tuple[Written, dict[str, TensorChange]]:
+            staged = staging()
+            return write(storage, writers, files), staged
+
+        done, staged = self._coll.gather("write", write_here, record, then_phase="commit")
         self._advance(save.kind, done, tensors, staged)
         seconds = time.perf_counter() - t0
         info = SaveInfo(save.step, save.kind, done.bytes_written, done.state_bytes, done.rows_changed,

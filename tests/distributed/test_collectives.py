@@ -104,3 +104,35 @@ def close_job(rank: int, world: int, root: str) -> bool:
 
 def test_a_closed_checkpointer_lets_go_of_the_process_group(tmp_path):
     assert check_ok(run_ranks(close_job, 2, str(tmp_path), str(tmp_path / "store"))) == [True, True]
+
+
+def rounds_job(rank: int, world: int, root: str) -> list[tuple[str, list[str]]]:
+    import deltackpt
+    from deltackpt.collectives import Collective
+
+    phases: list[str] = []
+    real = Collective.gather
+
+    def gather(self, phase, *args, **kwargs):
+        phases.append(phase)
+        return real(self, phase, *args, **kwargs)
+
+    Collective.gather = gather
+    table = torch.arange(4000.0).reshape(400, 10) + rank
+    shard = deltackpt.Shard(table, global_shape=(800, 10), global_offset=(400 * rank, 0))
+    saves = []
+    with deltackpt.Checkpointer(root) as ckpt:
+        ckpt.save(1, {"t": shard})
+        for step, blocking in ((2, True), (3, False)):
+            table[::7] += 1
+            phases.clear()
+            info = ckpt.save(step, {"t": shard}, blocking=blocking)
+            saves.append((info.kind if blocking else info.result().kind, list(phases)))
+    return saves
+
+
+def test_a_blocking_save_stages_in_the_write_round(tmp_path):
+    # A background save needs its own round for stage: it returns once every rank has staged.
+    got = check_ok(run_ranks(rounds_job, 2, str(tmp_path), str(tmp_path / "store")))
+    assert got == [[("delta", ["plan_local", "scan", "write"]),
+                    ("delta", ["plan_local", "scan", "stage", "write"])]] * 2
