@@ -216,28 +216,32 @@ class LazyParts(Sequence[PartRecord]):
             met = self._met.get(box)
             if met is not None:
                 return met
-            wanted = list(layout.meeting(box))
-            by_rank: dict[int, list[int]] = {}
-            for i in wanted:
-                by_rank.setdefault(layout.writer(i), []).append(i)
-            found: dict[int, PartRecord] = {}
-            for rank, indices in by_rank.items():
-                got = self._tables.table(rank).parts(self._index, self._head, self._where, self._seen_so_far())
-                mine = layout.written_by(rank)
-                where = f"{self._where} (table {table_key(self._tables.attempt, rank)})"
-                if sorted(p.path for p in got) != sorted(layout.path(i) for i in mine):
-                    raise ManifestError(f"{where}: holds parts {sorted(p.path for p in got)[:8]} of the tensor, "
-                                        f"its layout says {sorted(layout.path(i) for i in mine)[:8]}")
-                by_path = {p.path: p for p in got}
-                for i in indices:
-                    part, want = by_path[layout.path(i)], layout.box(i)
-                    if part.box != want:
-                        raise ManifestError(f"{where}: part {part.path!r} at {list(part.offset)} of "
-                                            f"{list(part.shape)}, its layout says at {list(want.offset)} "
-                                            f"of {list(want.shape)}")
-                    found[i] = part
-            met = self._met[box] = [found[i] for i in wanted]
+            # Each part is looked up in its writer's table as the cells are walked, so a
+            # hostile layout of many cells stops at the first one no table holds.
+            tables: dict[int, dict[str, PartRecord]] = {}
+            met = []
+            for i in layout.meeting(box):
+                rank = layout.writer(i)
+                by_path = tables.get(rank)
+                if by_path is None:
+                    by_path = tables[rank] = self._written_by(rank, layout)
+                part, want = by_path[layout.path(i)], layout.box(i)
+                if part.box != want:
+                    raise ManifestError(f"{self._where} (table {table_key(self._tables.attempt, rank)}): part "
+                                        f"{part.path!r} at {list(part.offset)} of {list(part.shape)}, its layout "
+                                        f"says at {list(want.offset)} of {list(want.shape)}")
+                met.append(part)
+            self._met[box] = met
             return met
+
+    def _written_by(self, rank: int, layout: PartLayout) -> dict[str, PartRecord]:
+        """The tensor's parts in ``rank``'s table by path: exactly those ``layout`` gives it."""
+        got = self._tables.table(rank).parts(self._index, self._head, self._where, self._seen_so_far())
+        paths, mine = sorted(p.path for p in got), sorted(layout.path(i) for i in layout.written_by(rank))
+        if paths != mine:
+            raise ManifestError(f"{self._where} (table {table_key(self._tables.attempt, rank)}): holds parts "
+                                f"{paths[:8]} of the tensor, its layout says {mine[:8]}")
+        return {p.path: p for p in got}
 
     def __len__(self) -> int:
         return self._count
