@@ -9,7 +9,9 @@ VM hits all of them alike, and reports medians:
   torch       torch.save(state) + fsync of the file and its folder; torch.load of it (evicted)
   dcp         torch.distributed.checkpoint.save(state) in this one process (no process group;
               its writer fsyncs its files)
-  deltackpt   base save (the first save of a fresh store), a delta save after 1% of the rows
+  deltackpt   base save (the first save of a fresh store, into staging buffers no save has
+              touched: the process's staging reserve is released before it, see
+              ``deltackpt.release_staging_memory``; bench_busy measures both), a delta save after 1% of the rows
               (random) changed by a small perturbation (+1e-4..2e-4 on N(0, 0.01) values), found
               by the row hashes alone (no marks), a delta save with nothing changed; the change
               scan alone (kernels.hash_rows, XXH64 of every row: a delta save's floor);
@@ -264,6 +266,7 @@ class Bench:
     def deltackpt(self, r: int) -> None:
         a = self.args
         store = os.path.join(self.scratch, f"store-{r}")
+        deltackpt.release_staging_memory()  # the buffers of the round before: the first base's case
         ckpt = deltackpt.Checkpointer(store, base_every=1_000_000, chunk_bytes=a.chunk_mib * MiB,
                                       io_threads=a.io_threads)
         try:
