@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -45,79 +44,10 @@ from .. import kernels  # installed from kernels/, see pyproject
 from ..format.encodings import dense_chunk_elems
 from .hashing import Hasher
 from .marks import TableMode, TrackedTable, draw_rows
+from .references import NO_IDS, SMALL_TENSOR_BYTES, Joined, Reference, TensorChange, is_row_sparse
 from .rows import RowTracker, TrackedGroup
 
 log = logging.getLogger(__name__)
-
-SMALL_TENSOR_BYTES = 1 << 16
-"""Tensors of at most this many bytes are hashed together, in one call (:meth:`ChangeTracker.hash_many`)."""
-
-NO_IDS = torch.empty(0, dtype=torch.int64)
-"""No row or chunk, or the hashes of none (shared: never written to)."""
-
-
-def is_row_sparse(t: torch.Tensor) -> bool:
-    return t.dim() >= 2
-
-
-@dataclass(frozen=True)
-class TensorChange:
-    """What changed in one tensor.
-
-    Attributes:
-        changed: sorted changed row ids or chunk indices (int64, CPU), or None when there is
-            nothing to compare with (a new tensor, or a new dtype or shape): the tensor must be
-            written whole.
-        hashes: the tensor's hashes now (per row or per chunk, on the CPU): of every row or
-            chunk, or when ``partial`` only of those in ``changed``, then None until the save's
-            writer (or :meth:`ChangeTracker.adopt`) computes them. None as well when ``changed``
-            is None: the base that writes the tensor whole hashes it as it writes (see
-            :meth:`ChangeTracker.hash_whole`).
-        partial: whether ``hashes`` covers ``changed`` only (a change set found from marks).
-        aligned: a 1-d tensor aligned with a table's rows, whose units are its elements (rows)
-            rather than chunks (see :meth:`~deltackpt.tracking.rows.RowTracker.aligned`).
-    """
-
-    changed: torch.Tensor | None
-    hashes: torch.Tensor | None
-    partial: bool = False
-    aligned: bool = False
-
-
-@dataclass
-class _Reference:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    hashes: torch.Tensor  # CPU int64, one per row or chunk
-    by_rows: bool
-    same: TensorChange | None = None  # the change set "unchanged", kept while ``hashes`` are
-    piece: int | None = None  # ChangeTracker._piece of a contiguous CPU tensor it matches
-
-    def matches(self, t: torch.Tensor, by_rows: bool) -> bool:
-        return self.dtype == t.dtype and self.shape == tuple(t.shape) and self.by_rows == by_rows
-
-    def unchanged(self, aligned: bool) -> TensorChange:
-        """No change since the reference: one object, kept from save to save (a delta of
-        thousands of unchanged tensors makes none)."""
-        if self.same is None or self.same.aligned != aligned:
-            self.same = TensorChange(NO_IDS, self.hashes, aligned=aligned)
-        return self.same
-
-
-@dataclass(frozen=True)
-class _Joined:
-    """The tensors one :func:`~deltackpt.kernels.hash_segments` call hashed: their keys and
-    piece sizes in call order, where each one's hashes end in the joined hashes, and those
-    hashes."""
-
-    keys: list[str]
-    pieces: list[int]
-    ends: np.ndarray
-    hashes: torch.Tensor
-
-    def of(self, i: int) -> torch.Tensor:
-        """The hashes of ``keys[i]``."""
-        return self.hashes[(self.ends[i - 1] if i else 0) : self.ends[i]]
 
 
 class ChangeTracker:
@@ -141,14 +71,14 @@ class ChangeTracker:
         self.dense_chunk_bytes = dense_chunk_bytes
         self.hasher = hasher if hasher is not None else Hasher()
         self.rows = RowTracker(aligned)
-        self._refs: dict[str, _Reference] = {}
+        self._refs: dict[str, Reference] = {}
         self._aligned: set[str] = set()  # the aligned keys of the last scan or restore
         self._scanned: list[TrackedTable] = []  # tables of the last scan, for adopt
         self._audited: set[int] = set()  # ids of the tables the last scan audited
         # The references of the tensors the last commit's scan hashed in one call, joined: each
         # one's hashes are its reference's (see _adopted_joined). None: join them afresh.
-        self._joined: _Joined | None = None
-        self._scanned_joined: tuple[_Joined, list[TensorChange]] | None = None  # of the last scan
+        self._joined: Joined | None = None
+        self._scanned_joined: tuple[Joined, list[TensorChange]] | None = None  # of the last scan
 
     def chunk_elems(self, t: torch.Tensor) -> int:
         """Elements per dense chunk of ``t``, as its delta's chunks are stored."""
@@ -207,7 +137,7 @@ class ChangeTracker:
                 refs[key] = ref
             else:
                 by_rows = self.by_rows(key, t)
-                refs[key] = _Reference(t.dtype, tuple(t.shape),
+                refs[key] = Reference(t.dtype, tuple(t.shape),
                                        ch.hashes if ch.hashes is not None else self.hash(t, by_rows), by_rows)
         self._refs = refs
         self._joined = self._adopted_joined(changes)
@@ -232,7 +162,7 @@ class ChangeTracker:
             self._scanned_joined = joined, [out[k] for k in joined.keys]
         return out
 
-    def hash_many(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], _Joined | None]:
+    def hash_many(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Joined | None]:
         """:meth:`hash` of every tensor (by key: by rows or chunks as :meth:`by_rows` says); the
         small CPU ones all in one call on the calling thread
         (:func:`deltackpt.kernels.hash_segments`): a state of thousands of tiny tensors costs
@@ -243,7 +173,7 @@ class ChangeTracker:
         if pieces:
             small = [tensors[k] for k in pieces]
             sizes = [t.nbytes // p for t, p in zip(small, pieces.values())]
-            joined = _Joined(list(pieces), list(pieces.values()), np.cumsum(sizes),
+            joined = Joined(list(pieces), list(pieces.values()), np.cumsum(sizes),
                              kernels.hash_segments(small, list(pieces.values())))
             found = dict(zip(pieces, joined.hashes.split(sizes)))
         return {k: found[k] if k in found else self.hash(t, self.by_rows(k, t)) for k, t in tensors.items()}, joined
@@ -269,12 +199,12 @@ class ChangeTracker:
         groups = self.rows.resolve(tensors)
         self._aligned = self.rows.aligned(tensors, groups)
 
-        def ref(key: str, t: torch.Tensor) -> _Reference:
+        def ref(key: str, t: torch.Tensor) -> Reference:
             by_rows = self.by_rows(key, t)
             h = given.get(key)
             if h is None or not by_rows or h.shape != (t.shape[0],):
                 h = self.hash(t, by_rows)
-            return _Reference(t.dtype, tuple(t.shape), h, by_rows)
+            return Reference(t.dtype, tuple(t.shape), h, by_rows)
 
         self._refs = {k: ref(k, t) for k, t in tensors.items()}
         self._joined = self._scanned_joined = None
@@ -300,12 +230,12 @@ class ChangeTracker:
         (:func:`~deltackpt.kernels.hash_segments`) and compared with their references in one
         pass over the hashes it joined (the references joined as the last commit left them, when
         the same tensors were joined the same way), the others one by one. An unchanged
-        tensor's change set is its reference's (:meth:`_Reference.unchanged`)."""
+        tensor's change set is its reference's (:meth:`Reference.unchanged`)."""
         out = {}
         keys: list[str] = []
         pieces: list[int] = []
         small: list[torch.Tensor] = []
-        refs: list[_Reference] = []
+        refs: list[Reference] = []
         for key, t in tensors.items():
             by_rows = t.dim() >= 2 or key in self._aligned
             ref = self._refs.get(key)
@@ -329,7 +259,7 @@ class ChangeTracker:
             else:
                 ends = np.cumsum([t.nbytes // p for t, p in zip(small, pieces)])
                 before = torch.cat([ref.hashes for ref in refs])
-            joined = _Joined(keys, pieces, ends, kernels.hash_segments(small, pieces))
+            joined = Joined(keys, pieces, ends, kernels.hash_segments(small, pieces))
             differs = (joined.hashes != before).nonzero().flatten().numpy()
             changed = set(np.searchsorted(ends, differs, side="right").tolist())
             for i, (key, ref) in enumerate(zip(keys, refs)):
@@ -342,19 +272,16 @@ class ChangeTracker:
             self._scanned_joined = (joined, [out[k] for k in keys])
         return {k: out[k] for k in tensors}
 
-    def _adopted_joined(self, changes: dict[str, TensorChange]) -> _Joined | None:
+    def _adopted_joined(self, changes: dict[str, TensorChange]) -> Joined | None:
         """The last scan's joined hashes, if ``changes`` (committed) kept the change set of every
         tensor hashed in its one call: their hashes are then the new references, joined (an
         unchanged tensor's reference stays, equal to its hashes). Else None."""
         scanned, self._scanned_joined = self._scanned_joined, None
-        if scanned is None:
+        if scanned is None or not all(changes.get(k) is ch for k, ch in zip(scanned[0].keys, scanned[1])):
             return None
-        joined, made = scanned
-        if not all(changes.get(k) is ch for k, ch in zip(joined.keys, made)):
-            return None
-        for key, piece in zip(joined.keys, joined.pieces):  # as _scan_all would find them
+        for key, piece in zip(scanned[0].keys, scanned[0].pieces):  # as _scan_all would find them
             self._refs[key].piece = piece
-        return joined
+        return scanned[0]
 
     def _aligned_1d(self, key: str, t: torch.Tensor) -> bool:
         """Whether ``t`` is a 1-d tensor whose changes are rows (see :meth:`RowTracker.aligned`)."""

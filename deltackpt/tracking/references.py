@@ -1,0 +1,81 @@
+"""What a change tracker keeps of each tensor between saves, and what it finds changed (see
+:mod:`deltackpt.tracking.changes`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+NO_IDS = torch.empty(0, dtype=torch.int64)
+"""No row or chunk, or the hashes of none (shared: never written to)."""
+
+SMALL_TENSOR_BYTES = 1 << 16
+"""Tensors of at most this many bytes are hashed together, in one call (:meth:`~deltackpt.tracking.changes.ChangeTracker.hash_many`)."""
+
+
+def is_row_sparse(t: torch.Tensor) -> bool:
+    return t.dim() >= 2
+
+
+@dataclass(frozen=True)
+class TensorChange:
+    """What changed in one tensor.
+
+    Attributes:
+        changed: sorted changed row ids or chunk indices (int64, CPU), or None when there is
+            nothing to compare with (a new tensor, or a new dtype or shape): the tensor must be
+            written whole.
+        hashes: the tensor's hashes now (per row or per chunk, on the CPU): of every row or
+            chunk, or when ``partial`` only of those in ``changed``, then None until the save's
+            writer (or :meth:`ChangeTracker.adopt`) computes them. None as well when ``changed``
+            is None: the base that writes the tensor whole hashes it as it writes (see
+            :meth:`ChangeTracker.hash_whole`).
+        partial: whether ``hashes`` covers ``changed`` only (a change set found from marks).
+        aligned: a 1-d tensor aligned with a table's rows, whose units are its elements (rows)
+            rather than chunks (see :meth:`~deltackpt.tracking.rows.RowTracker.aligned`).
+    """
+
+    changed: torch.Tensor | None
+    hashes: torch.Tensor | None
+    partial: bool = False
+    aligned: bool = False
+
+
+@dataclass
+class Reference:
+    """A tensor's hashes at the last commit (or restore), with what a scan keeps of it."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    hashes: torch.Tensor  # CPU int64, one per row or chunk
+    by_rows: bool
+    same: TensorChange | None = None  # the change set "unchanged", kept while ``hashes`` are
+    piece: int | None = None  # ChangeTracker._piece of a contiguous CPU tensor it matches
+
+    def matches(self, t: torch.Tensor, by_rows: bool) -> bool:
+        return self.dtype == t.dtype and self.shape == tuple(t.shape) and self.by_rows == by_rows
+
+    def unchanged(self, aligned: bool) -> TensorChange:
+        """No change since the reference: one object, kept from save to save (a delta of
+        thousands of unchanged tensors makes none)."""
+        if self.same is None or self.same.aligned != aligned:
+            self.same = TensorChange(NO_IDS, self.hashes, aligned=aligned)
+        return self.same
+
+
+@dataclass(frozen=True)
+class Joined:
+    """The tensors one :func:`~deltackpt.kernels.hash_segments` call hashed: their keys and
+    piece sizes in call order, where each one's hashes end in the joined hashes, and those
+    hashes."""
+
+    keys: list[str]
+    pieces: list[int]
+    ends: np.ndarray
+    hashes: torch.Tensor
+
+    def of(self, i: int) -> torch.Tensor:
+        """The hashes of ``keys[i]``."""
+        return self.hashes[(self.ends[i - 1] if i else 0) : self.ends[i]]
