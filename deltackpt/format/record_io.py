@@ -13,7 +13,7 @@ import json
 import threading
 from dataclasses import replace
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import overload
+from typing import Any, overload
 
 import xxhash
 
@@ -274,16 +274,21 @@ def lazy_tensors(heads: dict[str, tuple[str, tuple[int, ...], Encoding, Lossy | 
                  attempt: str, listed: dict[int, tuple[int, str]], packs: dict[int, int],
                  read: TableReader, where: str) -> dict[str, TensorRecord]:
     """A parsed record's tensors from their root fields (dtype, shape, encoding, lossy, parts
-    count, ranks, layout), their parts read from the tables on first use. Tensors given the same
-    fields object share what is made of it."""
-    made: dict[int, tuple[frozenset[int], TensorRecord]] = {}
-    owners = []
+    count, ranks, layout), their parts read from the tables on first use. Tensors of equal
+    fields share what is made of them (thousands of small tensors have a few)."""
+    owners_of: dict[tuple[int, ...], frozenset[int]] = {}
+    heads_of: dict[tuple[Any, ...], TensorRecord] = {}
+    owners, made = [], []
     for h in heads.values():
-        if id(h) not in made:
-            made[id(h)] = frozenset(h[5]), TensorRecord(h[0], h[1], h[2], (), h[3])
-        owners.append(made[id(h)][0])
+        ranks, fields = tuple(h[5]), h[:4]
+        if ranks not in owners_of:
+            owners_of[ranks] = frozenset(ranks)
+        if fields not in heads_of:
+            heads_of[fields] = TensorRecord(h[0], h[1], h[2], (), h[3])
+        owners.append(owners_of[ranks])
+        made.append(heads_of[fields])
     tables = Tables(attempt, listed, packs, [len(h[1]) for h in heads.values()], owners, read, where)
     out = {}
     for i, (key, h) in enumerate(heads.items()):
-        out[key] = TensorRecord(h[0], h[1], h[2], LazyParts(tables, i, h[4], made[id(h)][1], h[6], key), h[3])
+        out[key] = TensorRecord(h[0], h[1], h[2], LazyParts(tables, i, h[4], made[i], h[6], key), h[3])
     return out

@@ -61,6 +61,9 @@ def part_table(save: SavePlan, rank: int, items: Sequence[WriteItem], index: Seq
     files = 0
     rows = 0
     unchanged = _unchanged_parts(save, rank, index, sizes, aligned)
+    # What a part's entry is made of but its place and chunks, by what that depends on (without a
+    # quantization rule): thousands of small tensors come in a few dtypes and shapes.
+    made: dict[tuple[Any, ...], tuple[TensorRecord, tuple[int, ...], tuple[int, str] | None, bool]] = {}
     for n, (it, i) in enumerate(zip(items, index)):
         key, part, t = it.key, it.part, it.tensor
         changed = held[(key, part.path)]
@@ -70,18 +73,29 @@ def part_table(save: SavePlan, rank: int, items: Sequence[WriteItem], index: Seq
                 entries.append(kept)
                 continue
         rule = save.quantize[key].rule if key in save.quantize else None
-        enc = choose(save.kind, shapes[key], rule is not None, key in aligned)
-        cs = enc.chunk_shape(part.box.shape, t.element_size(), changed, sizes, rule)
+        at = (t.dtype, shapes[key], part.box.shape, changed, key in aligned) if rule is None else None
+        got = made.get(at) if at is not None else None
+        if got is None:
+            enc = choose(save.kind, shapes[key], rule is not None, key in aligned)
+            cs = enc.chunk_shape(part.box.shape, t.element_size(), changed, sizes, rule)
+            meta = None
+            for a in described(save.kind, t.dtype, shapes[key], part.box.shape, sizes):
+                if not a.name:  # the part's own array (the only one of a base's part)
+                    doc = array_doc(a.shape, a.chunk_shape, a.dtype, raw=not a.coded)
+                    meta = (len(doc), checksum(doc))
+            got = (TensorRecord(dtypes.name(t.dtype), shapes[key], enc, ()), cs, meta,
+                   save.kind == Kind.DELTA or in_pack(part.box.shape, t.element_size(), cs))
+            if at is not None:
+                made[at] = got
+        record, cs, meta, in_a_pack = got
         chunks: ChunkMap = dict(result.files.get((key, part.path), {}))
-        for a in described(save.kind, t.dtype, shapes[key], part.box.shape, sizes):
-            if not a.name:  # the part's own array (the only one of a base's part)
-                doc = array_doc(a.shape, a.chunk_shape, a.dtype, raw=not a.coded)
-                chunks["zarr.json"] = (len(doc), checksum(doc))
+        if meta is not None:
+            chunks["zarr.json"] = meta
         # A part without chunks (nothing changed, or no elements) is in no pack.
-        packed = bool(chunks) and (save.kind == Kind.DELTA or in_pack(part.box.shape, t.element_size(), cs))
+        packed = bool(chunks) and in_a_pack
         files += sum(e[0] for e in chunks.values() if len(e) == 2)
         rows += changed if t.dim() >= 2 else 0
-        entries.append((i, TensorRecord(dtypes.name(t.dtype), shapes[key], enc, ()),
+        entries.append((i, record,
                         PartRecord(part.box.offset, part.box.shape, part.path, cs, changed, chunks,
                                    pack_name(rank) if packed else None, rank)))
         if unchanged is not None and not changed and not chunks:
@@ -230,15 +244,11 @@ _last_plan: _PlanPieces | None = None  # the coordinator's plan stays the same f
 def _heads(tensors: Mapping[str, TensorRecord], held: Mapping[str, tuple[int, list[int], PartLayout | None]]
            ) -> dict[str, TensorHead]:
     """The lossless ``tensors``' fields as a reader parses them from the root (see
-    :func:`~deltackpt.format.record_checks.parse_manifest`), those of equal fields one object."""
-    made: dict[tuple[Any, ...], TensorHead] = {}
-    out = {}
+    :func:`~deltackpt.format.record_checks.parse_manifest`)."""
+    out: dict[str, TensorHead] = {}
     for key, t in tensors.items():
         count, ranks, layout = held[key]
-        at = (t.dtype, t.shape, t.encoding.name, count, tuple(ranks), layout)
-        if at not in made:
-            made[at] = (t.dtype, t.shape, t.encoding, None, count, list(ranks), layout)
-        out[key] = made[at]
+        out[key] = (t.dtype, t.shape, t.encoding, None, count, ranks, layout)
     return out
 
 
