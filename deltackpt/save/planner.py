@@ -187,8 +187,9 @@ def make_global_plan(local_plans: list[LocalPlan], tree: dict) -> GlobalPlan:
             slots.append(slot)
         slots.sort(key=lambda s: s[0].offset)
         # Boxes that are the cells of a grid tile the tensor, as the whole tensor would: only the
-        # empty ones are left to check (that they lie inside it).
-        grids[key] = grid_of(info.global_shape, [s[0] for s in slots])
+        # empty ones are left to check (that they lie inside it). A tensor of one part needs no
+        # layout: its one writer's table is all a reader reads of it.
+        grids[key] = grid_of(info.global_shape, [s[0] for s in slots]) if len(slots) > 1 else None
         check_tiling(key, info.global_shape,
                      [Box((0,) * len(info.global_shape), info.global_shape), *nothing] if grids[key] is not None
                      else [held[0] for held in holders[key].values()])
