@@ -53,6 +53,20 @@ def store(tmp_path_factory) -> Path:
     return root
 
 
+def tables_read(ckpt: Checkpointer) -> list[str]:
+    """The keys of the part tables ``ckpt`` reads from now on, in order."""
+    read: list[str] = []
+    plain = ckpt.store.storage.read
+
+    def spy(key: str, *args, **kwargs):
+        if "/parts." in key:
+            read.append(key)
+        return plain(key, *args, **kwargs)
+
+    ckpt.store.storage.read = spy
+    return read
+
+
 @pytest.mark.parametrize("rows, cols, ranks", [
     ((0, 10), (0, 3), {0}),  # rank 0's own shards
     ((20, 30), (6, 9), {2}),
@@ -60,16 +74,8 @@ def store(tmp_path_factory) -> Path:
     ((5, 25), (2, 4), {0, 1, 2}),  # resharded: rows of every part, columns of two
 ])
 def test_a_restore_reads_only_the_tables_of_the_parts_its_shards_meet(store, rows, cols, ranks):
-    read: list[str] = []
     with Checkpointer(store) as ckpt:
-        plain = ckpt.store.storage.read
-
-        def spy(key: str, *args, **kwargs):
-            if "/parts." in key:
-                read.append(key)
-            return plain(key, *args, **kwargs)
-
-        ckpt.store.storage.read = spy
+        read = tables_read(ckpt)
         target = {"t": shards({k: torch.zeros_like(v) for k, v in full(0).items()}, rows, cols)}
         assert ckpt.restore(target) == 2
     assert [m.kind for m in ckpt.store.chain(2)] == ["base", "delta"]
@@ -82,16 +88,8 @@ def test_a_restore_reads_only_the_tables_of_the_parts_its_shards_meet(store, row
 
 @pytest.mark.parametrize("rows, ranks", [([14, 11, 14], {1}), ([25, 2], {0, 1, 2}), ([29], {2})])
 def test_a_load_of_some_rows_reads_only_the_tables_of_the_parts_that_hold_them(store, rows, ranks):
-    read: list[str] = []
     with Checkpointer(store) as ckpt:
-        plain = ckpt.store.storage.read
-
-        def spy(key: str, *args, **kwargs):
-            if "/parts." in key:
-                read.append(key)
-            return plain(key, *args, **kwargs)
-
-        ckpt.store.storage.read = spy
+        read = tables_read(ckpt)
         assert torch.equal(ckpt.load(2, key="t/emb", rows=rows), full(2)["emb"][rows])
     assert {key.rsplit(".", 1)[1] for key in read} == {str(r) for r in ranks}
 
