@@ -74,11 +74,16 @@ class StepWriter:
             appends every chunk).
         defer: small staged chunks are appended by :meth:`finish` instead of the put (the saving
             thread of a non-blocking save returns without them).
+        gate: every file waits for it before it is written, and fails with its error (the
+            writer lease naming the attempt folder, see :class:`~deltackpt.save.saver.Saver`);
+            it must not wait for ``executor``'s threads.
     """
 
     def __init__(self, storage: Storage, folder: str, pool: StagingPool, executor: Executor,
-                 pack: str | None = None, packer: Executor | None = None, defer: bool = False):
+                 pack: str | None = None, packer: Executor | None = None, defer: bool = False,
+                 gate: Future[None] | None = None):
         self._storage = storage
+        self._gate = gate
         self._folder = folder
         self.pool = pool
         self._executor = executor
@@ -279,6 +284,8 @@ class StepWriter:
                      release: Callable[[], None] = lambda: None) -> None:
         def job() -> None:
             try:
+                if self._gate is not None:
+                    self._gate.result()
                 h = xxhash.xxh3_64()
                 size = 0
 

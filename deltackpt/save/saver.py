@@ -96,13 +96,17 @@ class Saver:
         items = self._write_items(step, state)
         aligned: set[str] = set()  # the coordinator's: the tensors scanned as aligned, for the record
         attempt = self.store.new_attempt(step)  # used on the coordinator only
+        # Alone, this process writes every file of the attempt: they wait for the lease to name
+        # it (gate) and the save goes on meanwhile, unless decide must see the head named first.
+        named = coordinator and self._coll.size == 1 and self._head_named()
         published = self._publish(attempt) if coordinator else None
+        gate = published if named else None
 
         def decide_now(scans: list[ScanSummary]) -> SavePlan:
             plan = self._planner.plan  # on the coordinator
             aligned.update(aligned_keys(scans))
             return decide(self.policy, self._head, self._chain, plan, scans, step=step,
-                          attempt=attempt, store=self.store, published=published,
+                          attempt=attempt, store=self.store, published=None if gate is not None else published,
                           quantize=self._quantize.choices(plan.tensors))
 
         def scan_here() -> tuple[ScanSummary, tuple[list[PartScan], Mapping[str, TensorChange]]]:
@@ -111,14 +115,16 @@ class Saver:
 
         try:
             save, (mine, changes) = self._coll.gather("scan", scan_here, decide_now, then_phase="decide")
-        finally:
+        except BaseException:
             if published is not None:
                 wait([published])  # never left running behind a failed save
+            raise
         plan = self._planner.plan if coordinator else None  # only the coordinator holds it
         writers = [open_writer(storage, save, self._coll.rank, self._pool, self._executor, self._packer,
-                               blocking=blocking)]
+                               blocking=blocking, gate=gate)]
         if coordinator:
-            writers.append(StepWriter(storage, f"{STEPS}/{save.attempt}", self._pool, self._executor))
+            writers.append(StepWriter(storage, f"{STEPS}/{save.attempt}", self._pool, self._executor,
+                                      gate=gate))
         held = counts(save.kind, ((it.key, it.part) for it in items), mine)
         tensors = {it.key: it.tensor for it in items}
 
@@ -143,28 +149,49 @@ class Saver:
         table = partial(part_table, save, self._coll.rank, items, self._assignment.index, self._shapes, held,
                         sizes=self._sizes, aligned={s.key for s in mine if s.aligned})
         record = partial(self._commit, save, aligned)
-        return partial(self._write_and_commit, save, table, record, writers, tensors, staging, t0)
+        return partial(self._write_and_commit, save, table, record, writers, tensors, staging, gate, t0)
 
     def _publish(self, attempt: str) -> Future[None]:
         """Coordinator: starts writing the head and ``attempt`` into the lease on an I/O thread
         (at the first save, taking the lease with them), so that the write overlaps the scan;
-        ``decide`` waits for it before any data is written."""
+        ``decide``, or else every file of the attempt (see :meth:`stage`), waits for it.
+
+        It is submitted before any of the attempt's files, so an I/O thread takes it first: files
+        waiting for it never hold every thread."""
         head = None if self._head is None else (self._head.step, self._head.attempt)
         return self._executor.submit(self._lease.publish, head, attempt)
+
+    def _head_named(self) -> bool:
+        """Coordinator, before :meth:`_publish`: whether the lease as this checkpointer last wrote
+        it keeps the head for GC already (see :func:`deltackpt.ops.gc.holder_chain`): as its
+        published head, or as the attempt of the save that committed it. Then ``decide`` may
+        check the head's record without waiting for the new publish; so may a first save, which
+        has no head (a fresh store's, or after a base)."""
+        if self._head is None:
+            return True
+        held = self._lease.holding
+        return held is not None and (held.lease.head == (self._head.step, self._head.attempt)
+                                     or held.lease.attempt == self._head.attempt)
 
     def _write_and_commit(self, save: SavePlan, table: Callable[[WriteResult], tuple[bytes | None, Written]],
                           record: Callable[[list[Written]], Committed], writers: list[StepWriter],
                           tensors: dict[str, torch.Tensor], staging: Callable[[], dict[str, TensorChange]],
-                          t0: float, blocked: float | None) -> SaveInfo:
+                          gate: Future[None] | None, t0: float, blocked: float | None) -> SaveInfo:
         """The phases after ``stage``, on the caller's thread or in the background: every rank
         stages (``staging``, unless it has staged already: it returns what was staged), writes
-        its part table once its chunks are written (``table`` makes it of what was written),
-        makes both durable and sends the coordinator alone what the root needs of it; the
-        coordinator commits and tells every rank what."""
+        its part table once its chunks are written (``table`` makes it of what was written, once
+        the lease names the attempt: ``gate``, see :meth:`stage`), makes both durable and sends
+        the coordinator alone what the root needs of it; the coordinator commits and tells every
+        rank what.
+
+        Raises:
+            WriterConflictError: (``gate``'s) another writer holds the lease; nothing was written."""
         storage = self.store.storage
         key = table_key(save.attempt, self._coll.rank)
 
         def files(result: WriteResult) -> tuple[dict[str, bytes], Written]:
+            if gate is not None:
+                gate.result()
             data, sent = table(result)
             return ({} if data is None else {key: data}), sent
 

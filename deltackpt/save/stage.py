@@ -15,7 +15,7 @@ so the coordinator and the rank that writes a part's chunks agree on the chunk g
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import replace
 from typing import TypeVar
 
@@ -94,12 +94,13 @@ def stage_part(writer: StepWriter, kind: Kind, item: WriteItem, change: TensorCh
 
 
 def open_writer(storage: Storage, save: SavePlan, rank: int, pool: StagingPool,
-                executor: Executor, packer: Executor | None = None, *, blocking: bool = True) -> StepWriter:
+                executor: Executor, packer: Executor | None = None, *, blocking: bool = True,
+                gate: Future[None] | None = None) -> StepWriter:
     """The writer of ``rank``'s chunks of the step, with its pack (appended by ``packer``, and
-    without ``blocking`` its small chunks by the background, see
-    :class:`~deltackpt.io.writer.StepWriter`)."""
+    without ``blocking`` its small chunks by the background; its files written once ``gate``
+    is done, see :class:`~deltackpt.io.writer.StepWriter`)."""
     return StepWriter(storage, f"{STEPS}/{save.attempt}", pool, executor, pack=pack_name(rank),
-                      packer=packer, defer=not blocking)
+                      packer=packer, defer=not blocking, gate=gate)
 
 
 def stage(writers: list[StepWriter], save: SavePlan, items: tuple[WriteItem, ...],
