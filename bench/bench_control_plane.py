@@ -3,7 +3,7 @@
 Drives the package's own control-plane code without processes or I/O: ``plan_local``,
 ``write_items``, ``summarize`` and ``ScanSummary`` (scans) and ``part_table`` (each writing rank's own part
 table) on the ranks run in full (``--full``: the coordinator and one other rank by default), the
-coordinator's ``GlobalPlanner``, ``decide`` and ``record_root`` (the root record), then
+coordinator's ``GlobalPlanner``, ``decide``, ``describe`` (the zarr metadata of a base) and ``record_root`` (the root record), then
 ``parse_manifest`` (the root alone, as ``ls`` reads it), the part tables a restore of rank 1's
 shards reads (those of the parts its boxes meet), and every part table, as a restore or ``load``
 of every tensor reads and checks them. The other ranks exist only as the messages they
@@ -62,8 +62,8 @@ from deltackpt.policy import BasePolicy, ChainState, EveryK
 from deltackpt.save.commit import part_table, record_root
 from deltackpt.save.decide import aligned_keys, counts, decide
 from deltackpt.save.local import plan_local, write_items
-from deltackpt.save.planner import (Assignment, GlobalPlan, GlobalPlanner, ItemInfo, LocalPlan, PartPlan,
-                                    PlanRequest)
+from deltackpt.save.planner import Assignment, GlobalPlan, GlobalPlanner, LocalPlan, PartPlan, PlanRequest
+from deltackpt.save.stage import describe
 from deltackpt.save.scan import PartScan, ScanSummary, summarize
 from deltackpt.save.types import Committed, Kind, LocalState, SavePlan, WriteItem, WriteResult, Written
 from deltackpt.sharding import Box
@@ -149,13 +149,11 @@ class Job:
         """What ``plan_local`` makes of :meth:`state` (the local plan rank ``rank`` sends), made
         from the layout alone: a rank simulated by its messages allocates no tensor."""
         held = [(name, f"tensors/{name}", *rest) for name, *rest in self.held(rank)]
-        items = tuple(sorted(
-            (ItemInfo(key, dtypes.name(dtype), shape, Box(offset or (0,) * len(shape), local), dtype.itemsize)
-             for _, key, shape, dtype, local, offset in held), key=lambda it: it.key))
-        # The same key objects in the items and the tree, as plan_local's: the digest pickles both.
+        rows = sorted((key, dtypes.name(dtype), shape, offset or (0,) * len(shape), local)
+                      for _, key, shape, dtype, local, offset in held)
         tree = {"dict": [["tensors", {"dict": [[name, {"tensor": key}] for name, key, *_ in held]}],
                          ["epoch", {"value": 0}]]}
-        return LocalPlan(rank, items, tree, sizes)
+        return LocalPlan.of(rank, rows, pickle.dumps(tree), sizes)
 
 
 def changed_share(share: float) -> Changed:
@@ -344,12 +342,26 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
-def _scatter(run: Run, name: str, values: list[Any], seconds: float) -> None:
+def _scatter(run: Run, name: str, values: list[Any], seconds: float) -> Phase:
     """The coordinator's ``values[r]`` to each rank ``r``; the largest is unpickled, timed."""
     messages = [pickle.dumps((True, v)) for v in values]
     largest = max(messages[1:] or messages, key=len)
     _, unpickle = _timed(lambda: pickle.loads(largest))
-    run.add(Phase(name, "coordinator", seconds, unpickle, len(largest), 0, len(largest)))
+    return run.add(Phase(name, "coordinator", seconds, unpickle, len(largest), 0, len(largest)))
+
+
+class Described:
+    """Stands for the coordinator's metadata writer in :func:`~deltackpt.save.stage.describe`:
+    counts the arrays it would describe."""
+
+    def __init__(self) -> None:
+        self.arrays = 0
+
+    def array(self, *args: Any, **kwargs: Any) -> None:
+        self.arrays += 1
+
+    def groups(self, folders: list[str]) -> None:
+        pass
 
 
 def simulate(world: int, state_of: StateOf, *, changed: Changed, sizes: tuple[int, int] = DEFAULT_SIZES,
@@ -366,11 +378,14 @@ def simulate(world: int, state_of: StateOf, *, changed: Changed, sizes: tuple[in
     planner, head, chain = GlobalPlanner(world), None, ChainState(0, 0, 0)
     digests: dict[int, str] = {}
     assigned: dict[int, Assignment] = {}
+    sent_plans: dict[int, LocalPlan] = {}  # each rank's local plan, as it made it
+    mine: dict[int, tuple[tuple[tuple[str, PartPlan], ...], tuple[int, ...]]] = {}  # its parts, their places
     for step in (1, 2):
         # plan_local, on every rank: the local plan, or its digest alone when unchanged.
         def request(r: int) -> PlanRequest:
             local = ranks.local(step, r)
             plan, digest = (local.plan, local.digest) if isinstance(local, LocalState) else (local, local.digest())
+            sent_plans[r] = plan
             sent = PlanRequest(step, digest, None if digests.get(r) == digest else plan,
                                assigned[r].tag if r in assigned else None)
             digests[r] = digest
@@ -380,21 +395,31 @@ def simulate(world: int, state_of: StateOf, *, changed: Changed, sizes: tuple[in
         # plan_global, on the coordinator: each rank receives its own parts (when it lacks them).
         answers, s = _timed(lambda: planner.assign(sent, lambda _: None))
         del sent
-        _scatter(run, f"{step}: plan_global", answers, s)
+        phase = _scatter(run, f"{step}: plan_global", answers, s)
         assigned.update((r, a) for r, a in enumerate(answers) if a is not None)
+
+        def parts(r: int) -> None:  # a rank that receives its assignment makes its parts of it
+            if answers[r] is not None:
+                mine[r] = answers[r].parts(sent_plans[r])
+
+        made = {r: s for r, _, s in ranks.each(parts)}
+        phase.other_seconds += max((v for r, v in made.items() if r), default=0.0)
         del answers
         plan = planner.plan
         run.plans.append(plan)
-        seconds = {r: s for r, _, s in ranks.each(lambda r: ranks.items(plan, r, assigned[r].parts))}
+        seconds = {r: s for r, _, s in ranks.each(lambda r: ranks.items(plan, r, mine[r][0]))}
         run.add(Phase(f"{step}: write_items", "every rank", seconds[0], max(v for r, v in seconds.items() if r)
                       if world > 1 else 0.0))
         # scan, on every rank: what changed in each part it writes, summed up for the coordinator.
         def scans_of(r: int) -> list[PartScan]:
-            return _scan(ranks.items(plan, r, assigned[r].parts), changed if head is not None else None, sizes)
+            return _scan(ranks.items(plan, r, mine[r][0]), changed if head is not None else None, sizes)
 
         summaries = ranks.gather(run, f"{step}: scan", lambda r: ScanSummary.of(scans_of(r)))
         save, s = _timed(lambda: decide(policy, head, chain, plan, summaries, step=step, attempt=f"{step}-sim"))
         _scatter(run, f"{step}: decide", [save] * world, s)
+        described = Described()
+        _, s = _timed(lambda: describe(described, save, plan, sizes))  # type: ignore[arg-type]
+        run.add(Phase(f"{step}: describe ({described.arrays} arrays)", "coordinator", s))
         ranks.gather(run, f"{step}: stage", lambda r: None)
         _scatter(run, f"{step}: stage (outcome)", [None] * world, 0.0)
 
@@ -402,12 +427,12 @@ def simulate(world: int, state_of: StateOf, *, changed: Changed, sizes: tuple[in
         tables: dict[int, bytes] = {}
 
         def table(r: int) -> tuple[Written, float]:
-            items = ranks.items(plan, r, assigned[r].parts)
+            items = ranks.items(plan, r, mine[r][0])
             scans = scans_of(r)  # kept by the rank since its scan
             held = counts(save.kind, ((i.key, i.part) for i in items), scans)
             result = written(save, r, items, held, sizes)
             shapes = {it.key: plan.tensors[it.key].global_shape for it in items}
-            (data, sent), s = _timed(lambda: part_table(save, r, items, assigned[r].index, shapes, held, result,
+            (data, sent), s = _timed(lambda: part_table(save, r, items, mine[r][1], shapes, held, result,
                                                          sizes, {s.key for s in scans if s.aligned}))
             if data is not None:
                 tables[r] = data
@@ -555,7 +580,7 @@ def main() -> None:
     t0 = time.perf_counter()
     run = simulate(job.world, lambda r, _: states[r], changed=changed_share(args.changed), progress=True,
                    full=full, plan_of=job.local_plan, every_table=args.every_table)
-    parts = sum(len(t.parts) for t in run.plans[-1].tensors.values())
+    parts = sum(t.count for t in run.plans[-1].tensors.values())
     text = table(run, job)
     print(text)
     print(f"\n{parts} parts; simulation wall {time.perf_counter() - t0:.0f} s")

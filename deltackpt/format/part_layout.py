@@ -94,7 +94,10 @@ class PartLayout:
 
     def ranks(self) -> list[int]:
         """The ranks whose tables list its parts, sorted."""
-        return [r for first, last in _merged(self.runs) for r in range(first, last + 1)]
+        out: list[int] = []
+        for first, last in _merged(self.runs):
+            out.extend(range(first, last + 1))
+        return out
 
     def written_by(self, rank: int) -> list[int]:
         """The parts rank ``rank``'s table lists."""
@@ -137,36 +140,81 @@ class PartLayout:
 def describe(shape: Sequence[int], boxes: Sequence[Box], writers: Sequence[int]) -> PartLayout | None:
     """The layout of parts of ``boxes`` (in path order) listed by the tables of ``writers``, or
     None when they follow none (see the module's docstring)."""
-    axes = grid_of(shape, boxes)
-    runs = None if axes is None else runs_of(writers)
-    return None if axes is None or runs is None else PartLayout(axes, runs)
+    ndim = len(shape)
+    if not boxes or any(len(b.offset) != ndim or len(b.shape) != ndim for b in boxes):
+        return None
+    offsets, ends = _corners(boxes, ndim)
+    axes = grids_of(np.array([shape], np.int64).reshape(1, ndim), np.array([ndim]), np.array([0]),
+                    np.array([len(boxes)]), offsets, ends)[0]
+    return layout_of(axes, writers)
 
 
-def grid_of(shape: Sequence[int], boxes: Sequence[Box]) -> tuple[Axis, ...] | None:
-    """The grid whose cells, in row-major order, are ``boxes``, or None when they form none
-    (then they may or may not tile the tensor; when they do, they tile it exactly)."""
-    parts, ndim = len(boxes), len(shape)
-    if not parts or not math.prod(shape):
+def layout_of(axes: tuple[Axis, ...] | None, writers: Sequence[int]) -> PartLayout | None:
+    """The layout of the cells of grid ``axes`` listed by the tables of ``writers``, or None
+    when there is no grid, or it or the writers take more than :data:`MAX_LISTED` numbers."""
+    if axes is None or any(len(a.cuts) > MAX_LISTED for a in axes):
         return None
-    flat = [x for b in boxes for x in b.offset]
-    sizes = [x for b in boxes for x in b.shape]
-    if len(flat) != parts * ndim or len(sizes) != parts * ndim:
-        return None
-    offsets = np.array(flat, np.int64).reshape(parts, ndim)
-    ends = offsets + np.array(sizes, np.int64).reshape(parts, ndim)
-    # An even split, read from the first box; else each dimension's cuts, listed.
-    axes = tuple(Axis(n, int(e)) if 0 < e <= n else Axis(n, n) for n, e in zip(shape, ends[0]))
-    if math.prod(a.count for a in axes) != parts or not _are_cells(axes, offsets, ends):
-        listed = []
-        for d, size in enumerate(shape):
-            starts = np.sort(offsets[:, d])
-            starts = starts[np.concatenate(([True], starts[1:] != starts[:-1]))]
-            if starts[0] != 0 or len(starts) > MAX_LISTED + 1 or starts[-1] >= size:
-                return None
-            listed.append(Axis(size, None, tuple(starts[1:].tolist())))
-        axes = tuple(listed)
-        if math.prod(a.count for a in axes) != parts or not _are_cells(axes, offsets, ends):
+    runs = runs_of(writers)
+    return None if runs is None else PartLayout(axes, runs)
+
+
+def grids_of(shapes: np.ndarray, ndims: np.ndarray, first: np.ndarray, count: np.ndarray,
+             offsets: np.ndarray, ends: np.ndarray) -> list[tuple[Axis, ...] | None]:
+    """For each of several tensors, the grid whose cells, in row-major order, are its parts, or
+    None when they form none (then they may or may not tile the tensor; when they do, they tile
+    it exactly). A grid may list any number of cuts here (see :func:`layout_of`).
+
+    Tensor ``t`` has shape ``shapes[t, :ndims[t]]`` (its other columns 1) and the parts of rows
+    ``first[t]`` to ``first[t] + count[t]`` of ``offsets`` and ``ends`` (their low and high
+    corners, the other columns 0 and 1), sorted by offset. Even splits are checked on every
+    part at once; only the tensors that are not split evenly are looked at one by one.
+    """
+    n = len(first)
+    out: list[tuple[Axis, ...] | None] = [None] * n
+    if not n:
+        return out
+    width = shapes.shape[1]
+    ask = (np.prod(shapes, axis=1) > 0) & (count > 0)
+    # An even split, read from the first part: blocks of its ends (the whole size where it ends at 0).
+    top = ends[np.minimum(first, max(len(ends) - 1, 0))] if len(ends) else np.ones_like(shapes)
+    block = np.where((top > 0) & (top <= shapes), top, np.maximum(shapes, 1))
+    cells = -(-shapes // block)
+    even = ask & (np.prod(cells, axis=1) == count)
+    taken = np.where(even, count, 0)
+    rows = np.repeat(np.arange(n), taken)
+    if len(rows):
+        rest = np.arange(len(rows)) - np.repeat(np.cumsum(taken) - taken, taken)  # each part's place
+        at = first[rows] + rest
+        low, high = (offsets, ends) if len(at) == len(offsets) else (offsets[at], ends[at])  # in order
+        cut, each = np.repeat(cells, taken, axis=0), np.repeat(block, taken, axis=0)
+        lo = np.empty((len(rows), width), np.int64)
+        for d in range(width - 1, -1, -1):
+            rest, k = np.divmod(rest, cut[:, d])
+            lo[:, d] = k * each[:, d]
+        wrong = np.any(lo != low, axis=1)
+        wrong |= np.any(np.minimum(lo + each, np.repeat(shapes, taken, axis=0)) != high, axis=1)
+        even[np.unique(rows[wrong])] = False
+    for t in np.flatnonzero(even).tolist():
+        d = int(ndims[t])
+        out[t] = tuple(Axis(s, b) for s, b in zip(shapes[t, :d].tolist(), block[t, :d].tolist()))
+    for t in np.flatnonzero(ask & ~even).tolist():
+        f, c, d = int(first[t]), int(count[t]), int(ndims[t])
+        out[t] = _listed(tuple(shapes[t, :d].tolist()), offsets[f:f + c, :d], ends[f:f + c, :d])
+    return out
+
+
+def _listed(shape: tuple[int, ...], offsets: np.ndarray, ends: np.ndarray) -> tuple[Axis, ...] | None:
+    """The grid of each dimension's cuts, listed, whose cells are the parts of corners
+    ``offsets`` and ``ends`` (in path order), or None."""
+    listed = []
+    for d, size in enumerate(shape):
+        starts = np.unique(offsets[:, d])
+        if starts[0] != 0 or starts[-1] >= size:
             return None
+        listed.append(Axis(size, None, tuple(starts[1:].tolist())))
+    axes = tuple(listed)
+    if math.prod(a.count for a in axes) != len(offsets) or not _are_cells(axes, offsets, ends):
+        return None
     return axes
 
 

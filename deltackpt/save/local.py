@@ -11,7 +11,7 @@ from ..errors import StepExistsError
 from ..format import dtypes
 from ..format.limits import MAX_STEP
 from ..sharding import Shard
-from .planner import ItemInfo, LocalPlan, PartPlan
+from .planner import LocalPlan, PartPlan
 from .types import LocalState, WriteItem
 
 
@@ -33,21 +33,18 @@ def plan_local(step: int, state: Mapping[str, Any], rank: int, sizes: tuple[int,
     shards = {k: s if s.local.is_contiguous() else
               Shard(s.local.contiguous(), global_shape=s.global_shape, global_offset=s.global_offset)
               for k, s in flat.tensors.items()}
+    tree = pickle.dumps(flat.tree)
     if last is not None and last.plan.rank == rank and last.plan.settings == sizes:
         # Every tensor the same as last time, and a skeleton of the same bytes (pickle tells
         # 1 from 1.0 and 0.0 from -0.0, which == does not): the same plan.
-        tree = pickle.dumps(flat.tree)
-        if flat.reused == len(flat.tensors) == len(last.flat.tensors) and tree == last.tree:
-            return LocalState(step, shards, last.plan, last.digest, flat, tree)
-    items = tuple(
-        ItemInfo(k, dtypes.name(s.local.dtype), s.global_shape, s.box, s.local.element_size())
-        for k, s in sorted(shards.items())
-    )
-    plan = LocalPlan(rank, items, flat.tree, sizes)
-    return LocalState(step, shards, plan, plan.digest(), flat, pickle.dumps(flat.tree))
+        if flat.reused == len(flat.tensors) == len(last.flat.tensors) and tree == last.plan.tree:
+            return LocalState(step, shards, last.plan, last.digest, flat)
+    plan = LocalPlan.of(rank, [(k, dtypes.name(s.local.dtype), s.global_shape, s.global_offset, tuple(s.local.shape))
+                               for k, s in sorted(shards.items())], tree, sizes)
+    return LocalState(step, shards, plan, plan.digest(), flat)
 
 
 def write_items(parts: Iterable[tuple[str, PartPlan]], local: LocalState) -> tuple[WriteItem, ...]:
-    """The ``parts`` a rank writes (see :class:`~deltackpt.save.planner.Assignment`), with its
-    tensors that hold them."""
+    """The ``parts`` a rank writes (see :meth:`~deltackpt.save.planner.Assignment.parts`), with
+    its tensors that hold them."""
     return tuple(WriteItem(key, part, local.shards[key].local) for key, part in parts)

@@ -35,7 +35,7 @@ from ..tracking.changes import ChangeTracker, TensorChange
 from .commit import commit, part_table
 from .decide import aligned_keys, counts, decide
 from .local import plan_local, write_items
-from .planner import Assignment, GlobalPlanner, PlanRequest
+from .planner import Assignment, GlobalPlanner, PartPlan, PlanRequest
 from .scan import PartScan, ScanSummary, scan
 from .stage import open_writer, stage, write
 from .types import Committed, Kind, LocalState, SaveInfo, SavePlan, WriteItem, WriteResult, Written
@@ -76,6 +76,8 @@ class Saver:
         self._local: LocalState | None = None  # this rank's last local state
         self._planner = GlobalPlanner(coll.size)  # used on the coordinator only
         self._assignment: Assignment | None = None  # the parts this rank writes
+        self._parts: tuple[tuple[str, PartPlan], ...] = ()  # those parts, made of its local plan
+        self._index: tuple[int, ...] = ()  # their tensors' places in the plan
         self._shapes: dict[str, tuple[int, ...]] = {}  # global shapes of its tensors, under that plan
         self._lease = lease.Claim(store.storage, ttl=lease_ttl, take_over=take_over)
         self._packer = started_pool(1, "deltackpt-pack")  # appends a delta's gathered rows
@@ -146,7 +148,7 @@ class Saver:
                 raise
             staging = partial(dict, staged)
         assert self._assignment is not None  # _write_items set it
-        table = partial(part_table, save, self._coll.rank, items, self._assignment.index, self._shapes, held,
+        table = partial(part_table, save, self._coll.rank, items, self._index, self._shapes, held,
                         sizes=self._sizes, aligned={s.key for s in mine if s.aligned})
         record = partial(self._commit, save, aligned)
         return partial(self._write_and_commit, save, table, record, writers, tensors, staging, gate, t0)
@@ -247,10 +249,11 @@ class Saver:
         self._sent_digest = local.digest
         if assignment is not None:
             self._assignment = assignment
-            self._shapes = {it.key: it.global_shape for it in local.plan.items}
+            self._parts, self._index = assignment.parts(local.plan)
+            self._shapes = {k: s.global_shape for k, s in local.shards.items()}
         if self._assignment is None:
             raise StateError("no plan: the coordinator sent none for a first save")
-        return write_items(self._assignment.parts, local)
+        return write_items(self._parts, local)
 
     def _plan_local(self, step: int, state: Mapping[str, Any]) -> tuple[PlanRequest, LocalState]:
         """This rank's local state, and what the coordinator needs of it (the plan only when it

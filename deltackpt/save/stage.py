@@ -19,6 +19,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import replace
 from typing import TypeVar
 
+import numpy as np
 import torch
 
 from ..format import dtypes
@@ -38,19 +39,24 @@ T = TypeVar("T")
 
 def describe(writer: StepWriter, save: SavePlan, plan: GlobalPlan, sizes: tuple[int, int]) -> None:
     """Coordinator: queues the zarr metadata of every array and group of the step (of a base's
-    large parts; packed chunks are described by their packs, which their writers write)."""
+    large parts; packed chunks are described by their packs, which their writers write). A
+    tensor's parts come in a few shapes (a grid's cells), each looked at once: the work grows
+    with the tensors and the arrays described, not with every part."""
     folders = {""}
     if save.kind == Kind.BASE:
         for t in plan.tensors.values():
             dtype = dtypes.from_name(t.dtype)
-            for p in t.parts:
-                arrays = described(save.kind, dtype, t.global_shape, p.box.shape, sizes)
-                for a in arrays:
-                    writer.array(t.key, f"{p.path}/{a.name}".strip("/"), a.shape, a.chunk_shape, a.dtype,
-                                 raw=not a.coded)
-                if arrays:
-                    names = part_folder(t.key, p.path).split("/")
-                    folders.update("/".join(names[:i]) for i in range(1, len(names)))
+            shapes = plan.shape[t.first:t.first + t.count, :len(t.global_shape)]
+            kinds, which = np.unique(shapes, axis=0, return_inverse=True) if t.count > 1 else (shapes, [0])
+            for k, shape in enumerate(kinds.tolist()):
+                arrays = described(save.kind, dtype, t.global_shape, tuple(shape), sizes)
+                for i in np.flatnonzero(np.reshape(which, -1) == k).tolist() if arrays else ():
+                    path = "" if t.count == 1 else f"p{i}"
+                    for a in arrays:
+                        writer.array(t.key, f"{path}/{a.name}".strip("/"), a.shape, a.chunk_shape, a.dtype,
+                                     raw=not a.coded)
+                    names = part_folder(t.key, path).split("/")
+                    folders.update("/".join(names[:j]) for j in range(1, len(names)))
     writer.groups(sorted(folders))
 
 

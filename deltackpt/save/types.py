@@ -41,7 +41,6 @@ class LocalState:
         plan: what the rank holds, for the coordinator.
         digest: the plan's digest (the coordinator caches the global plan while none changes).
         flat: the flattened state, which the next save's flatten may reuse.
-        tree: the skeleton, pickled (the next save keeps the plan only if its own is the same).
     """
 
     step: int
@@ -49,7 +48,6 @@ class LocalState:
     plan: LocalPlan
     digest: str
     flat: FlatState
-    tree: bytes
 
 
 @dataclass(frozen=True)
