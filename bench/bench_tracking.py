@@ -59,7 +59,9 @@ from torch import nn
 
 import deltackpt
 from deltackpt import kernels, statetree
+from deltackpt.io.threads import started_pool
 from deltackpt.tracking.changes import ChangeTracker
+from deltackpt.tracking.hashing import Hasher
 
 MiB = 1 << 20
 
@@ -349,7 +351,12 @@ def table_bytes(ckpt: deltackpt.Checkpointer, step: int) -> int:
 def measure_finding(args, model, opts, gen) -> dict[str, float]:
     state = state_of(model, *opts)
     k = int(args.rows * args.delta) // args.pooling * args.pooling
-    marks, hashes = ChangeTracker(MiB), ChangeTracker(MiB, aligned=declared(args))
+    # Each tracker hashes as a checkpointer's does: on a pool of torch.get_num_threads() threads
+    # and the calling one (a tracker built without a pool hashes on the calling thread alone).
+    threads = torch.get_num_threads()
+    pool = started_pool(threads, "bench-hash")
+    marks = ChangeTracker(MiB, Hasher(pool, threads))
+    hashes = ChangeTracker(MiB, Hasher(pool, threads), aligned=declared(args))
     handle = marks.rows.track(model, prefix="model", optimizer=opts[0], optimizer_prefix="optim")
 
     def flat() -> dict[str, torch.Tensor]:
@@ -376,6 +383,7 @@ def measure_finding(args, model, opts, gen) -> dict[str, float]:
             if not set(h.changed.tolist()) <= set(m.tolist()):
                 raise AssertionError(f"{key}: the marks miss rows the hashes found")
     handle.remove()
+    pool.shutdown()
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 

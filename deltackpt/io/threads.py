@@ -38,32 +38,45 @@ def started_pool(workers: int, prefix: str) -> ThreadPoolExecutor:
     return pool
 
 
-def run_shared(executor: Executor, jobs: Sequence[Callable[[], object]]) -> None:
+def run_shared(executor: Executor, jobs: Sequence[Callable[[], object]], helpers: int | None = None) -> None:
     """Runs ``jobs`` on ``executor``'s threads and on this one, and waits for them; raises the
     first error once every job has ended.
 
-    This thread runs every job no I/O thread has started, and waits only for the jobs one has:
-    so it never waits on a busy executor, whose threads may be waiting on this one (a pack's
-    writer waits for the bytes this thread gathers), and on a node whose cores are busy
-    elsewhere, it goes on with the work while the threads it woke wait for a core.
+    Each thread taking part runs the next job none has started until none is left, so this thread
+    runs every job no I/O thread has started, and waits only for the jobs one has: so it never
+    waits on a busy executor, whose threads may be waiting on this one (a pack's writer waits for
+    the bytes this thread gathers), and on a node whose cores are busy elsewhere, it goes on with
+    the work while the threads it woke wait for a core. Many small jobs cost a waiting thread at
+    most one job per helper, and idle cores share the work as they are free.
+
+    Args:
+        executor: the threads that help.
+        jobs: run in order of their start, each once.
+        helpers: how many of ``executor``'s threads to ask for help (None: one per job but the
+            first; more than its threads only queue behind them).
     """
-    taken = [threading.Lock() for _ in jobs]
+    n = len(jobs)
+    lock = threading.Lock()
+    started = [0]  # jobs claimed, each by one thread
     done = [threading.Event() for _ in jobs]
-    errors: list[BaseException | None] = [None] * len(jobs)
+    errors: list[BaseException | None] = [None] * n
 
-    def run(i: int) -> None:
-        if not taken[i].acquire(blocking=False):
-            return
-        try:
-            jobs[i]()
-        except BaseException as e:  # noqa: BLE001 - raised on the waiting thread
-            errors[i] = e
-        finally:
-            done[i].set()
+    def claim() -> int:
+        with lock:
+            started[0] += 1
+            return started[0] - 1
 
-    futures = [executor.submit(run, i) for i in range(1, len(jobs))]
-    for i in range(len(jobs)):
-        run(i)
+    def work() -> None:
+        while (i := claim()) < n:
+            try:
+                jobs[i]()
+            except BaseException as e:  # noqa: BLE001 - raised on the waiting thread
+                errors[i] = e
+            finally:
+                done[i].set()
+
+    futures = [executor.submit(work) for _ in range(min(n - 1, n - 1 if helpers is None else helpers))]
+    work()
     for f in futures:
         f.cancel()
     for d in done:
@@ -71,6 +84,31 @@ def run_shared(executor: Executor, jobs: Sequence[Callable[[], object]]) -> None
     error = next((e for e in errors if e is not None), None)
     if error is not None:
         raise error
+
+
+_LOADAVG = "/proc/loadavg"
+_loadavg: list[int] = []  # its descriptor, opened at the first call (none where it is missing)
+
+
+def idle_cores() -> int | None:
+    """How many of the CPUs this process may run on have no task to run now, counting this
+    thread as one (less than zero when tasks wait for a core): from the kernel's count of
+    runnable tasks in ``/proc/loadavg``, read in a few microseconds; None on a system without it.
+
+    A save asks before it splits work across its threads: an idle core takes a share at once,
+    while on a node whose cores are busy elsewhere a woken thread waits for one, and the thread
+    that waits for its share with it (with the GIL, possibly, while it waits).
+    """
+    if not _loadavg:
+        try:
+            _loadavg.append(os.open(_LOADAVG, os.O_RDONLY))
+        except OSError:
+            _loadavg.append(-1)
+    if _loadavg[0] < 0:
+        return None
+    # "0.52 0.58 0.59 3/467 12345": the fourth field is runnable tasks / all tasks.
+    running = int(os.pread(_loadavg[0], 128, 0).split()[3].split(b"/")[0])
+    return len(os.sched_getaffinity(0)) - running
 
 
 _ahead: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()

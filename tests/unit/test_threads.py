@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from deltackpt import Checkpointer, kernels
+from deltackpt.io.threads import idle_cores, run_shared
+from deltackpt.tracking import hashing
 from deltackpt.tracking.hashing import Hasher
 
 MiB = 1 << 20
@@ -72,8 +74,57 @@ def test_threads_must_be_positive(tmp_path):
         Checkpointer(tmp_path, threads=0)
 
 
+@pytest.fixture
+def idle(monkeypatch):
+    """Sets how many cores the hasher finds idle."""
+    def set_idle(n: int | None) -> None:
+        monkeypatch.setattr(hashing, "idle_cores", lambda: n)
+    return set_idle
+
+
+class CountingPool(ThreadPoolExecutor):
+    """A pool that counts the jobs submitted to it."""
+
+    def __init__(self, workers: int):
+        super().__init__(workers)
+        self.submitted = 0
+
+    def submit(self, *args, **kwargs):
+        self.submitted += 1
+        return super().submit(*args, **kwargs)
+
+
+def test_idle_cores_counts_this_thread_as_running():
+    idle = idle_cores()
+    assert idle is not None and idle <= len(os.sched_getaffinity(0)) - 1
+
+
+@pytest.mark.parametrize("found", [1, 2, None])
+def test_a_table_of_a_few_mib_is_split_while_a_core_is_idle(idle, found):
+    """A 6.4 MB table is hashed by the calling thread and the I/O threads as long as a core is
+    idle (or where the system cannot tell), by at most one thread per idle core."""
+    idle(found)
+    table = torch.randn(50_000, 32)
+    with CountingPool(3) as ex:
+        got = Hasher(ex, 3).rows(table)
+    assert ex.submitted == (2 if found is None else min(2, found))
+    assert got.equal(kernels.hash_rows(table, threads=1))
+
+
+@pytest.mark.parametrize("found", [0, -2])
+def test_no_thread_is_woken_while_every_core_is_busy(idle, found):
+    idle(found)
+    table, flat = torch.randn(300_001, 33), torch.randn(10 * MiB)
+    with CountingPool(2) as ex:
+        hasher = Hasher(ex, 2)
+        assert hasher.rows(table).equal(kernels.hash_rows(table, threads=1))
+        assert hasher.chunks(flat, MiB).equal(kernels.hash_chunks(flat, MiB, threads=1))
+    assert ex.submitted == 0
+
+
 @pytest.mark.parametrize("threads", [2, 3])
-def test_a_hash_split_across_threads_matches_one_thread(threads):
+def test_a_hash_split_across_threads_matches_one_thread(threads, idle):
+    idle(threads)
     rows = torch.randn(300_001, 33)  # 39.6 MB: split in pieces that do not divide it evenly
     flat = torch.randn(10 * MiB + 7)
     with ThreadPoolExecutor(threads) as ex:
@@ -83,9 +134,10 @@ def test_a_hash_split_across_threads_matches_one_thread(threads):
             assert hasher.chunks(flat, chunk).equal(kernels.hash_chunks(flat, chunk, threads=1))
 
 
-def test_a_split_hash_goes_on_while_every_io_thread_waits_for_a_core():
+def test_a_split_hash_goes_on_while_every_io_thread_waits_for_a_core(idle):
     """On a node whose cores are busy elsewhere, the I/O threads a hash wakes may wait long for a
     core: the calling thread hashes every piece none of them has started."""
+    idle(1)
     rows = torch.randn(300_001, 33)
     release = threading.Event()
     with ThreadPoolExecutor(2) as ex:
@@ -102,3 +154,11 @@ def test_a_split_hash_goes_on_while_every_io_thread_waits_for_a_core():
         worker.join()
     assert finished_meanwhile
     assert done[0].equal(kernels.hash_rows(rows, threads=1))
+
+
+def test_shared_jobs_run_once_each_on_the_helpers_asked_for():
+    ran: list[int] = []
+    with CountingPool(3) as ex:
+        run_shared(ex, [lambda i=i: ran.append(i) for i in range(40)], helpers=1)
+    assert ex.submitted == 1
+    assert sorted(ran) == list(range(40))
