@@ -313,17 +313,18 @@ def make_global_plan(local_plans: Sequence[LocalPlan]) -> GlobalPlan:
     if len(rows):
         whole &= np.all(shape[np.minimum(part_first, len(rows) - 1)] == tensor_shape, axis=1)
     part_writer = rank[rows]
-    writer_list, first_list = part_writer.tolist(), part_first.tolist()
+    writer_list = part_writer.tolist()
+    # As lists: a state of thousands of tiny tensors pays for each numpy scalar in this loop.
+    dims, sizes, kinds = ndim[first].tolist(), tensor_shape.tolist(), [DTYPES[c] for c in code[first].tolist()]
     tensors: dict[str, TensorPlan] = {}
-    for t, key in enumerate(keys):
-        n, c, f = int(ndim[first[t]]), int(count[t]), first_list[t]
-        gs = tuple(tensor_shape[t, :n].tolist())
-        if axes[t] is None and not whole[t]:
+    for t, (key, n, c, f, tiled) in enumerate(zip(keys, dims, count.tolist(), part_first.tolist(), whole.tolist())):
+        gs = tuple(sizes[t][:n])
+        if axes[t] is None and not tiled:
             check_tiling(key, gs, [Box(tuple(box_offset[b, :n].tolist()), tuple(box_shape[b, :n].tolist()))
                                    for b in np.flatnonzero(box_tid == t)])
         layout = layout_of(axes[t], part_writer[f:f + c]) if c > 1 else None
         ranks = layout.ranks() if layout is not None else sorted(set(writer_list[f:f + c]))
-        tensors[key] = TensorPlan(key, DTYPES[code[first[t]]], gs, f, c, ranks, layout)
+        tensors[key] = TensorPlan(key, kinds[t], gs, f, c, ranks, layout)
     merged = statetree.merge([pickle.loads(tree) for tree in dict.fromkeys(p.tree for p in plans)])
     return GlobalPlan(tensors, merged, offset, shape, part_writer, item[rows])
 

@@ -47,10 +47,9 @@ def describe(writer: StepWriter, save: SavePlan, plan: GlobalPlan, sizes: tuple[
         for t in plan.tensors.values():
             dtype = dtypes.from_name(t.dtype)
             shapes = plan.shape[t.first:t.first + t.count, :len(t.global_shape)]
-            kinds, which = np.unique(shapes, axis=0, return_inverse=True) if t.count > 1 else (shapes, [0])
-            for k, shape in enumerate(kinds.tolist()):
-                arrays = described(save.kind, dtype, t.global_shape, tuple(shape), sizes)
-                for i in np.flatnonzero(np.reshape(which, -1) == k).tolist() if arrays else ():
+            for shape, parts in _by_shape(shapes):
+                arrays = described(save.kind, dtype, t.global_shape, shape, sizes)
+                for i in parts.tolist() if arrays else ():
                     path = "" if t.count == 1 else f"p{i}"
                     for a in arrays:
                         writer.array(t.key, f"{path}/{a.name}".strip("/"), a.shape, a.chunk_shape, a.dtype,
@@ -58,6 +57,18 @@ def describe(writer: StepWriter, save: SavePlan, plan: GlobalPlan, sizes: tuple[
                     names = part_folder(t.key, path).split("/")
                     folders.update("/".join(names[:j]) for j in range(1, len(names)))
     writer.groups(sorted(folders))
+
+
+def _by_shape(shapes: np.ndarray) -> list[tuple[tuple[int, ...], np.ndarray]]:
+    """The distinct rows of ``shapes``, each with the rows that hold it: the first row's, which
+    most cells of a grid share, found by one comparison, then the others'."""
+    same = np.all(shapes == shapes[0], axis=1)
+    out = [(tuple(shapes[0].tolist()), np.flatnonzero(same))]
+    if not same.all():
+        rest = np.flatnonzero(~same)
+        kinds, which = np.unique(shapes[rest], axis=0, return_inverse=True)
+        out += [(tuple(k), rest[np.reshape(which, -1) == i]) for i, k in enumerate(kinds.tolist())]
+    return out
 
 
 def described(kind: Kind, dtype: torch.dtype, global_shape: tuple[int, ...], shape: tuple[int, ...],

@@ -41,3 +41,58 @@ def test_changing_the_state_after_stage_does_not_change_the_step(monkeypatch, de
             assert ckpt.save(2, state).kind == "delta"
         got = ckpt.load(2)
         assert torch.equal(got["table"], want["table"]) and torch.equal(got["vec"], want["vec"])
+
+
+class _Recorder:
+    """Stands for a step writer: what ``describe`` asks it to write."""
+
+    def __init__(self) -> None:
+        self.arrays: list[tuple] = []
+        self.folders: list[str] = []
+
+    def array(self, key, path, shape, chunks, dtype, *, raw=False) -> None:
+        self.arrays.append((key, path, tuple(shape), tuple(chunks), dtype, raw))
+
+    def groups(self, folders) -> None:
+        self.folders = list(folders)
+
+
+def test_describe_writes_the_metadata_of_every_part_not_packed():
+    # Large row blocks with a shorter last one, a 2 x 2 grid with uneven cells, a whole large
+    # tensor, small packed ones and an empty block: describe looks at each part shape once, and
+    # must write what a look at every part writes.
+    import pickle
+
+    from deltackpt.format.layout import part_folder
+    from deltackpt.save.planner import LocalPlan, make_global_plan
+    from deltackpt.save.stage import describe, described
+    from deltackpt.save.types import Kind, SavePlan
+
+    rows = 3 * (1 << 18) // 4 + 5  # float32 rows of 4: blocks of ~0.75 MiB and a shorter last one
+    items: list[list[tuple]] = [[] for _ in range(4)]
+    for r in range(4):
+        lo, hi = min(rows, r * (-(-rows // 4))), min(rows, (r + 1) * (-(-rows // 4)))
+        items[r].append(("m/rows", "float32", (rows, 4), (lo, 0), (hi - lo, 4)))
+        a, b = (0, 700) if r < 2 else (700, 1001)
+        c, d = (0, 300) if r % 2 == 0 else (300, 513)
+        items[r].append(("m/grid", "bfloat16", (1001, 513), (a, c), (b - a, d - c)))
+        items[r].append((f"m/small{r}", "int64", (3, 2), (0, 0), (3, 2)))
+    items[0].append(("whole", "float32", (1 << 19,), (0,), (1 << 19,)))
+    plan = make_global_plan([LocalPlan.of(r, sorted(it), pickle.dumps({"dict": []}), (1, 1))
+                             for r, it in enumerate(items)])
+    sizes = (1 << 16, 1 << 14)  # chunks of fewer rows than a part: not packed unless tiny
+    save = SavePlan(1, Kind.BASE, "test", "1-a")
+    got = _Recorder()
+    describe(got, save, plan, sizes)
+    want, folders = [], {""}
+    for key, t in plan.tensors.items():
+        for p in plan.parts_of(key):
+            arrays = described(Kind.BASE, getattr(torch, t.dtype), t.global_shape, p.box.shape, sizes)
+            want += [(key, f"{p.path}/{a.name}".strip("/"), a.shape, a.chunk_shape, a.dtype, not a.coded)
+                     for a in arrays]
+            if arrays:
+                names = part_folder(key, p.path).split("/")
+                folders.update("/".join(names[:i]) for i in range(1, len(names)))
+    assert sorted(got.arrays, key=repr) == sorted(want, key=repr)
+    assert {a[0] for a in want} == {"m/rows", "m/grid", "whole"} and len(want) > 6
+    assert got.folders == sorted(folders)
