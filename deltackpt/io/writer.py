@@ -10,9 +10,11 @@ A delta's chunks go back to back into one pack per writing rank instead (see
 :mod:`deltackpt.io.pack`), and the record gives each chunk's offset in it beside its size and
 checksum. A chunk already in a staging buffer of its own (a delta's gathered rows) is appended
 by the pack thread, with its rows' hashes, so that the saving thread only gathers: it returns
-to training sooner. A small one is appended by the saving thread (see :data:`HAND_OFF_BYTES`),
-or for a non-blocking save (``defer``) by its background thread when it finishes the writer,
-while staging buffers allow.
+to training sooner; for a non-blocking save (``defer``) only once the caller has staged every
+chunk (:meth:`StepWriter.staged`), so that the pack thread's hashing and copying do not take the
+cores from the caller's gathers. A small one is appended by the saving thread (see
+:data:`HAND_OFF_BYTES`), or for a non-blocking save by its background thread when it finishes the
+writer, while staging buffers allow.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class StepWriter:
         packer: one thread that appends staged chunks to the pack (None: the calling thread
             appends every chunk).
         defer: small staged chunks are appended by :meth:`finish` instead of the put (the saving
-            thread of a non-blocking save returns without them).
+            thread of a non-blocking save returns without them), large ones from :meth:`staged`.
         gate: every file waits for it before it is written, and fails with its error (the
             writer lease naming the attempt folder, see :class:`~deltackpt.save.saver.Saver`);
             it must not wait for ``executor``'s threads.
@@ -96,6 +98,8 @@ class StepWriter:
         # Appends of small staged chunks left to finish(), each with its buffer's release.
         self._defer = defer
         self._deferred: list[tuple[Callable[[], None], Callable[[], None]]] = []
+        # Appends of large staged chunks held back for the packer until staged(), likewise.
+        self._held: list[tuple[Callable[[], None], Callable[[], None]]] = []
         self._appending = threading.Lock()  # one append at a time, from either thread
         self._lock = threading.Lock()
         self.results: dict[tuple[str, str], ChunkMap] = {}
@@ -140,6 +144,7 @@ class StepWriter:
 
         Raises the first write error, after every write has ended.
         """
+        self.staged()
         error = self._run_deferred()
         error = self._wait(self._appends) or error
         if self._pack is not None:
@@ -155,7 +160,7 @@ class StepWriter:
     def abandon(self) -> None:
         """After a failure: waits for the queued writes and gives back every staging buffer,
         ignoring write errors (the failure that led here is the one to report)."""
-        deferred, self._deferred = self._deferred, []
+        deferred, self._deferred, self._held = self._deferred + self._held, [], []
         for _, release in deferred:
             release()
             self._ahead.release()
@@ -163,6 +168,13 @@ class StepWriter:
         if self._pack is not None:
             self._pack.discard()
         self._wait(self._futures)
+
+    def staged(self) -> None:
+        """The caller has staged every chunk: the large ones held back go to the pack thread."""
+        held, self._held = self._held, []
+        for job, _ in held:
+            assert self._packer is not None  # only a writer with a packer holds chunks back
+            self._appends.append(self._packer.submit(job))
 
     def _run_deferred(self) -> BaseException | None:
         """Runs the appends left to :meth:`finish`; returns the first error."""
@@ -262,12 +274,16 @@ class StepWriter:
 
             if owned and large and self._packer is not None:
                 if not self._ahead.acquire(blocking=False):
+                    self.staged()  # the held chunks hold the buffers, and only the packer frees them
                     error = self._run_deferred()  # they hold buffers only this thread gives back
                     if error is not None:
                         release()
                         raise error
                     self._ahead.acquire()
-                self._appends.append(self._packer.submit(_then(append, self._ahead.release)))
+                if self._defer:
+                    self._held.append((_then(append, self._ahead.release), release))
+                else:
+                    self._appends.append(self._packer.submit(_then(append, self._ahead.release)))
             elif owned and self._defer and self._ahead.acquire(blocking=False):
                 self._deferred.append((_then(append, self._ahead.release), release))
             else:

@@ -125,8 +125,9 @@ def stage(writers: list[StepWriter], save: SavePlan, items: tuple[WriteItem, ...
           sizes: tuple[int, int], *, plan: GlobalPlan | None) -> dict[str, TensorChange]:
     """Stages every item (holding ``held`` rows or chunks, by tensor key and part path) into
     ``writers[0]``, and on the coordinator, which passes the global ``plan``, the step's metadata
-    into ``writers[1]``; returns the items' change sets, hashes filled in. On failure every queued
-    write ends and every buffer goes back before the error propagates.
+    into ``writers[1]``; returns the items' change sets, hashes filled in, once every writer has
+    all of them (:meth:`~deltackpt.io.writer.StepWriter.staged`). On failure every queued write
+    ends and every buffer goes back before the error propagates.
 
     A base's packed parts come last: the pack's file keeps an I/O thread until the pack ends, and
     the files of the large parts, queued before it, must not wait for a thread behind it."""
@@ -135,10 +136,13 @@ def stage(writers: list[StepWriter], save: SavePlan, items: tuple[WriteItem, ...
     try:
         if plan is not None:
             describe(writers[1], save, plan, sizes)
-        return {it.key: stage_part(writers[0], save.kind, it, changes[it.key],
-                                   held[(it.key, it.part.path)], sizes,
-                                   save.quantize[it.key].rule if it.key in save.quantize else None)
-                for it in items}
+        staged = {it.key: stage_part(writers[0], save.kind, it, changes[it.key],
+                                     held[(it.key, it.part.path)], sizes,
+                                     save.quantize[it.key].rule if it.key in save.quantize else None)
+                  for it in items}
+        for w in writers:
+            w.staged()
+        return staged
     except BaseException:
         for w in writers:
             w.abandon()
