@@ -16,7 +16,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,8 @@ def run_shared(executor: Executor, jobs: Sequence[Callable[[], object]], helpers
         executor: the threads that help.
         jobs: run in order of their start, each once.
         helpers: how many of ``executor``'s threads to ask for help (None: one per job but the
-            first; more than its threads only queue behind them).
+            first; more than its threads only queue behind them). An executor that takes no
+            more jobs (at the interpreter's exit, which a save in flight outlives) gives none.
     """
     n = len(jobs)
     lock = threading.Lock()
@@ -75,7 +76,12 @@ def run_shared(executor: Executor, jobs: Sequence[Callable[[], object]], helpers
             finally:
                 done[i].set()
 
-    futures = [executor.submit(work) for _ in range(min(n - 1, n - 1 if helpers is None else helpers))]
+    futures: list[Future[None]] = []
+    for _ in range(min(n - 1, n - 1 if helpers is None else helpers)):
+        try:
+            futures.append(executor.submit(work))
+        except RuntimeError:  # shut down (the interpreter is exiting): this thread runs them all
+            break
     work()
     for f in futures:
         f.cancel()

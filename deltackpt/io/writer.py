@@ -1,9 +1,9 @@
 """Writing one step's files: array metadata, and the chunks that each part's encoding queues
 (see :mod:`deltackpt.format.encodings`, whose classes lay out and stage the data).
 
-Chunk files are written by a thread pool; each file's size and xxh3-64 checksum are recorded for
-the commit record. Rows and device data pass through the staging pool; whole CPU tensors are
-written straight from their memory. Edge chunks are padded with zeros to the full chunk shape, as
+Chunk files are written by a thread pool (see :mod:`deltackpt.io.files`); each file's size and
+xxh3-64 checksum are recorded for the commit record. Rows and device data pass through the
+staging pool; whole CPU tensors are written straight from their memory. Edge chunks are padded with zeros to the full chunk shape, as
 zarr v3 stores them, so any zarr v3 reader reads the arrays.
 
 A delta's chunks go back to back into one pack per writing rank instead (see
@@ -20,19 +20,19 @@ writer, while staging buffers allow.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future
 from functools import partial
 
 import numpy as np
 import torch
-import xxhash
 
 from .. import kernels  # installed from kernels/, see pyproject
 from ..format.layout import part_folder
 from ..format.manifest import ChunkMap
 from ..format.zarr_meta import array_doc, codec_for, group_doc
 from ..storage import Storage
+from .files import APART_BYTES, FileWrites, wait_all
 from .pack import Pack
 from .staging import StagingPool
 from .threads import run_shared
@@ -85,11 +85,10 @@ class StepWriter:
                  pack: str | None = None, packer: Executor | None = None, defer: bool = False,
                  gate: Future[None] | None = None):
         self._storage = storage
-        self._gate = gate
         self._folder = folder
         self.pool = pool
         self._executor = executor
-        self._futures: list[Future[None]] = []
+        self._files = FileWrites(storage, executor, gate)
         # Appends queued on the packer, each holding its staging buffer: at most all but two
         # buffers, so that the pack (filling one) and the caller (gathering one) always get one.
         self._packer = packer if pool.buffers > 2 else None
@@ -112,10 +111,10 @@ class StepWriter:
                 def record(size: int, digest: str) -> None:
                     self.packs.setdefault(pack, {})[name] = (size, digest)
 
-                self._submit_path(f"{folder}/{pack}/{name}", parts, record, release)
+                self._files.file(f"{folder}/{pack}/{name}", parts, record, release, at_once=True)
 
             self._pack = Pack(pool, write)
-        self.written: list[str] = []  # every file written, for the directory syncs
+        self.written = self._files.written  # every file written, for the directory syncs
         self.bounds: dict[str, float] = {}  # the largest bound of quantized rows, by tensor key
 
     def note_bound(self, key: str, bound: float) -> None:
@@ -135,8 +134,8 @@ class StepWriter:
         """Writes group documents for folders (relative to the attempt; "" is the attempt)."""
         doc = memoryview(group_doc())
         for g in folders:
-            self._submit_path(f"{self._folder}/{g}/zarr.json" if g else f"{self._folder}/zarr.json",
-                              lambda: [doc], None)
+            self._files.file(f"{self._folder}/{g}/zarr.json" if g else f"{self._folder}/zarr.json",
+                             lambda: [doc], None)
 
     def finish(self) -> dict[tuple[str, str], ChunkMap]:
         """Waits for every write and returns the chunks written per (tensor key, part path);
@@ -146,13 +145,13 @@ class StepWriter:
         """
         self.staged()
         error = self._run_deferred()
-        error = self._wait(self._appends) or error
+        error = wait_all(self._appends) or error
         if self._pack is not None:
             try:
                 self._pack.close()
             except BaseException as e:  # noqa: BLE001 - the queued writes must still end
                 error = error or e
-        error = self._wait(self._futures) or error
+        error = self._files.finish() or error
         if error is not None:
             raise error
         return self.results
@@ -164,10 +163,10 @@ class StepWriter:
         for _, release in deferred:
             release()
             self._ahead.release()
-        self._wait(self._appends)  # before the pack ends: none may start it again
+        wait_all(self._appends)  # before the pack ends: none may start it again
         if self._pack is not None:
             self._pack.discard()
-        self._wait(self._futures)
+        self._files.wait()
 
     def staged(self) -> None:
         """The caller has staged every chunk: the large ones held back go to the pack thread."""
@@ -187,17 +186,6 @@ class StepWriter:
                 error = error or e
         return error
 
-    @staticmethod
-    def _wait(futures: list[Future[None]]) -> BaseException | None:
-        """Waits for every one of ``futures``; returns the first error."""
-        error = None
-        for f in futures:
-            try:
-                f.result()
-            except BaseException as e:  # noqa: BLE001 - every write must end before raising
-                error = error or e
-        return error
-
     # -- chunks (an encoding's, see deltackpt.format.encodings) ---------------------------------
 
     def put(self, key: str, path: str, name: str, data: torch.Tensor, pad: int, dtype: torch.dtype,
@@ -205,8 +193,8 @@ class StepWriter:
             hash_into: torch.Tensor | None = None, packed: bool | None = None) -> None:
         """Queues one chunk: ``data`` (rows of a tensor) followed by ``pad`` zero bytes, coded as a
         zarr array of ``dtype`` would be (``uncoded``: not coded); with ``hash_into``, the hash
-        of each of ``data``'s rows goes there first, on the write's thread (for the pack, on the
-        thread that appends it). ``packed``: into the pack, or a file (None: into the pack if the
+        of each of ``data``'s rows goes there, on an I/O thread (a large file's beside its
+        write, see :mod:`deltackpt.io.files`; for the pack, on the thread that appends it). ``packed``: into the pack, or a file (None: into the pack if the
         writer has one). With ``release``, ``data`` is the put's until it is called (a staging
         buffer of its own): the packer or :meth:`finish` may append it later; without, it is read
         before this returns."""
@@ -225,18 +213,26 @@ class StepWriter:
         zeros = self.pool.zeros(pad)
         codec = None if uncoded else codec_for(dtype)
 
-        def parts() -> list[memoryview]:
+        def rows() -> None:
             if hash_into is not None:
                 hash_into.copy_(kernels.hash_rows(data.reshape(hash_into.numel(), -1), threads=1))
+
+        def parts() -> list[memoryview]:
             body = as_bytes(data.contiguous())
             if codec is None:
                 return [body, zeros] if pad else [body]
             whole = np.concatenate([np.frombuffer(body, np.uint8), np.zeros(pad, np.uint8)])
             return [memoryview(codec.encode(whole))]
 
-        self._submit(key, path, name, parts, release,
-                     packed=self._pack is not None if packed is None else packed,
-                     owned=owned, large=data.nbytes >= HAND_OFF_BYTES)
+        self._submit(key, path, name, parts, release, before=rows,
+                     packed=self._pack is not None if packed is None else packed, owned=owned,
+                     large=data.nbytes >= HAND_OFF_BYTES,
+                     apart=codec is None and data.is_contiguous() and data.nbytes >= APART_BYTES)
+
+    def run(self, jobs: Sequence[Callable[[], object]]) -> None:
+        """Runs ``jobs`` on the I/O threads and this one; raises the first error once all ended
+        (a :data:`deltackpt.storage.base.Run`)."""
+        run_shared(self._executor, jobs)
 
     def gather(self, flat: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copies rows ``ids`` of ``flat`` (CPU) into ``out`` (a staging buffer), in pieces of at
@@ -257,8 +253,9 @@ class StepWriter:
         run_shared(self._executor, [partial(piece, lo) for lo in range(0, n, step)])
 
     def _submit(self, key: str, path: str, name: str, parts: Callable[[], list[memoryview]],
-                release: Callable[[], None] = lambda: None, *, packed: bool = False,
-                owned: bool = False, large: bool = False) -> None:
+                release: Callable[[], None] = lambda: None, *, before: Callable[[], None] = lambda: None,
+                packed: bool = False, owned: bool = False, large: bool = False,
+                apart: bool = False) -> None:
         chunks = self.results.setdefault((key, path), {})
         if packed:
             pack = self._pack
@@ -266,6 +263,7 @@ class StepWriter:
 
             def append() -> None:
                 try:
+                    before()
                     data = parts()
                     with self._appending:
                         chunks[name] = pack.append(data)
@@ -293,31 +291,8 @@ class StepWriter:
         def record(size: int, digest: str) -> None:
             chunks[name] = (size, digest)
 
-        self._submit_path(f"{self._folder}/{part_folder(key, path)}/{name}", parts, record, release)
-
-    def _submit_path(self, full_path: str, parts: Callable[[], Iterable[memoryview]],
-                     record: Callable[[int, str], None] | None,
-                     release: Callable[[], None] = lambda: None) -> None:
-        def job() -> None:
-            try:
-                if self._gate is not None:
-                    self._gate.result()
-                h = xxhash.xxh3_64()
-                size = 0
-
-                def hashed() -> Iterator[memoryview]:
-                    nonlocal size
-                    for p in parts():
-                        h.update(p)
-                        size += p.nbytes
-                        yield p
-
-                self._storage.write(full_path, hashed())
-                with self._lock:
-                    if record:
-                        record(size, h.hexdigest())
-                    self.written.append(full_path)
-            finally:
-                release()
-
-        self._futures.append(self._executor.submit(job))
+        where = f"{self._folder}/{part_folder(key, path)}/{name}"
+        if apart:
+            self._files.large(where, parts, record, release, before)
+        else:
+            self._files.file(where, parts, record, release, before)

@@ -179,11 +179,12 @@ def write(storage: Storage, writers: list[StepWriter],
         except BaseException as e:  # noqa: BLE001 - every writer must end before raising
             error = error or e
     written = [k for w in writers for k in w.written]
+    run = writers[0].run  # the folders' fsyncs, on the I/O threads and this one
     if error is not None:
-        storage.sync(written)
+        storage.sync(written, run=run)
         raise error
     more, out = record(WriteResult(files, packs, bounds))
     for key, data in more.items():
         storage.write(key, [memoryview(data)])
-    storage.sync([*written, *more])
+    storage.sync([*written, *more], run=run)
     return out

@@ -18,7 +18,7 @@ there with :class:`~deltackpt.storage.faults.FaultInjection`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,6 +26,15 @@ from ..errors import StoreError
 
 PointHook = Callable[[str, str], None]
 """Called with ``(phase, key)`` before a durable step."""
+
+Run = Callable[[Sequence[Callable[[], object]]], None]
+"""Runs independent jobs, on whatever threads it has, and raises the first error once all ended."""
+
+
+def one_by_one(jobs: Sequence[Callable[[], object]]) -> None:
+    """A :data:`Run` that runs ``jobs`` one after the other on this thread."""
+    for job in jobs:
+        job()
 
 
 def check_key(key: str) -> list[str]:
@@ -80,8 +89,10 @@ class Storage(Protocol):
         """Creates object ``key`` from ``parts``; ``key`` must not exist. Durable after
         :meth:`sync`."""
 
-    def sync(self, keys: Iterable[str]) -> None:
-        """Makes the objects ``keys`` (written before) durable, names included."""
+    def sync(self, keys: Iterable[str], *, run: Run = one_by_one) -> None:
+        """Makes the objects ``keys`` (written before) durable, names included; ``run`` runs the
+        independent steps this takes (the flushes of a file system's folders: issued together,
+        the device merges them)."""
 
     def sync_folders(self, folders: Iterable[str]) -> None:
         """Makes the removals of names under ``folders`` durable."""

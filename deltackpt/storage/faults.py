@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .base import Capabilities, PointHook, Storage
+from .base import Capabilities, PointHook, Run, Storage, one_by_one
 
 
 class FaultInjection(Storage):
@@ -39,8 +39,8 @@ class FaultInjection(Storage):
     def write(self, key: str, parts: Iterable[memoryview]) -> None:
         self.inner.write(key, parts)
 
-    def sync(self, keys: Iterable[str]) -> None:
-        self.inner.sync(keys)
+    def sync(self, keys: Iterable[str], *, run: Run = one_by_one) -> None:
+        self.inner.sync(keys, run=run)
 
     def sync_folders(self, folders: Iterable[str]) -> None:
         self.inner.sync_folders(folders)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable
 
 from ..errors import StoreError
-from .base import Capabilities, PointHook, Storage, check_key
+from .base import Capabilities, PointHook, Run, Storage, check_key, one_by_one
 
 _urls = itertools.count()
 
@@ -52,7 +52,7 @@ class MemoryStorage(Storage):
                 raise StoreError(errno.EEXIST, f"object exists: {self.url}/{key}")
             self._objects[key] = (data, time.time())
 
-    def sync(self, keys: Iterable[str]) -> None:
+    def sync(self, keys: Iterable[str], *, run: Run = one_by_one) -> None:
         keys = list(keys)
         if keys:
             self.point("fsync", keys[0])

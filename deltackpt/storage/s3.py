@@ -35,7 +35,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from ..errors import StoreError
-from .base import Capabilities, PointHook, Storage, check_key
+from .base import Capabilities, PointHook, Run, Storage, check_key, one_by_one
 from .s3_config import S3Config
 from .s3_errors import (RangeNotSatisfiable, Refused, first_line, past_the_end, retried_by_client,
                         transient)
@@ -129,7 +129,7 @@ class S3Storage(Storage):
             self._data_store, self._root + key, body, use_multipart=True,
             chunk_size=self.config.part_bytes, max_concurrency=self.config.part_concurrency))
 
-    def sync(self, keys: Iterable[str]) -> None:
+    def sync(self, keys: Iterable[str], *, run: Run = one_by_one) -> None:
         keys = list(keys)
         if keys:
             self.point("fsync", keys[0])  # a completed PUT is durable: nothing else to do

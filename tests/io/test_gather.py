@@ -25,6 +25,15 @@ def test_jobs_run_on_this_thread_when_every_io_thread_is_busy():
         blocked.result()
 
 
+def test_jobs_run_on_this_thread_when_the_executor_takes_no_more():
+    # At the interpreter's exit, executors refuse new jobs while a save in flight still ends.
+    ex = ThreadPoolExecutor(2)
+    ex.shutdown()
+    ran: list[int] = []
+    run_shared(ex, [lambda i=i: ran.append(i) for i in range(3)])
+    assert ran == [0, 1, 2]
+
+
 def test_a_failing_piece_raises_after_every_piece_ended():
     ended = []
 

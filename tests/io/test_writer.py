@@ -18,6 +18,8 @@ from deltackpt.io import writer
 from deltackpt.io.writer import HAND_OFF_BYTES, StepWriter
 from deltackpt.storage import MemoryStorage
 
+MiB = 1 << 20
+
 
 def test_whole_parts_go_to_padded_chunk_files_with_their_checksums():
     storage, pool = MemoryStorage(), StagingPool(4, 1024)
@@ -110,3 +112,91 @@ def test_small_staged_chunks_are_appended_by_the_saving_thread():
     size, _, at = entries[("l", "")]["rows/c.0.0"]
     assert pack[at : at + size] == want_large.numpy().tobytes()
     assert torch.equal(large_hashes, kernels.hash_rows(want_large))
+
+
+class _Watched(MemoryStorage):
+    """A MemoryStorage that tells when the first bytes of a file whose name ends with ``c.0.0``
+    reach it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = threading.Event()
+
+    def write(self, key, parts):
+        def watched():
+            for p in parts:
+                if key.endswith("c.0.0"):
+                    self.started.set()
+                yield p
+
+        super().write(key, watched())
+
+
+def test_a_large_file_is_written_while_its_rows_are_hashed(monkeypatch):
+    # The disk starts on a base's chunk file at once: the hash of its rows, which the tracker
+    # needs, and its checksum are done beside the write, not before it.
+    storage, pool = _Watched(), StagingPool(2, 4 * MiB)
+    t = torch.randn(1024, 2 * MiB // 4096)
+    hashes = torch.zeros(1024, dtype=torch.int64)
+    real = kernels.hash_rows
+    seen = []
+
+    def hash_rows(x, **kw):
+        seen.append(storage.started.wait(5))  # the file's write has started meanwhile
+        return real(x, **kw)
+
+    monkeypatch.setattr(kernels, "hash_rows", hash_rows)
+    with ThreadPoolExecutor(2) as ex:
+        w = StepWriter(storage, "steps/5-e", pool, ex)
+        FULL.encode(w, "t", "", t, None, tuple(t.shape), hash_into=hashes)
+        files = w.finish()[("t", "")]
+    assert seen == [True]
+    data = storage.read("steps/5-e/t/c.0.0")
+    assert data == t.numpy().tobytes()
+    assert files["c.0.0"] == (len(data), xxhash.xxh3_64(data).hexdigest())
+    assert torch.equal(hashes, real(t))
+
+
+def test_finish_runs_the_queued_jobs_no_io_thread_has_started():
+    # With every I/O thread busy elsewhere, the thread that waits in finish() writes and hashes
+    # the files itself.
+    storage, pool = MemoryStorage(), StagingPool(2, 4 * MiB)
+    t = torch.randn(2 * MiB // 4)
+    held = threading.Event()
+    with ThreadPoolExecutor(1) as ex:
+        ex.submit(held.wait, 30)
+        w = StepWriter(storage, "steps/6-f", pool, ex)
+        FULL.encode(w, "t", "", t, None, tuple(t.shape))
+        done = []
+        waiter = threading.Thread(target=lambda: done.append(w.finish()))
+        waiter.start()
+        waiter.join(20)
+        finished_meanwhile = bool(done)
+        held.set()
+        waiter.join()
+    assert finished_meanwhile
+    data = storage.read("steps/6-f/t/c.0")
+    assert data == t.numpy().tobytes()
+    assert done[0][("t", "")]["c.0"] == (len(data), xxhash.xxh3_64(data).hexdigest())
+
+
+def test_a_failed_hash_fails_the_file_and_gives_back_its_buffer(monkeypatch):
+    storage, pool = MemoryStorage(), StagingPool(2, 4 * MiB)
+    t = torch.randn(1024, 2 * MiB // 4096)
+
+    def hash_rows(x, **kw):
+        raise OSError("hash failed")
+
+    monkeypatch.setattr(kernels, "hash_rows", hash_rows)
+    with ThreadPoolExecutor(2) as ex:
+        w = StepWriter(storage, "steps/7-g", pool, ex)
+        FULL.encode(w, "t", "", t, None, tuple(t.shape), hash_into=torch.zeros(1024, dtype=torch.int64))
+        try:
+            w.finish()
+        except OSError as e:
+            assert str(e) == "hash failed"
+        else:
+            raise AssertionError("finish() did not raise the hash's error")
+    assert "c.0.0" not in w.results[("t", "")]
+    bufs = [pool.acquire(pool.nbytes) for _ in range(pool.buffers)]  # none is still held
+    assert len(bufs) == pool.buffers

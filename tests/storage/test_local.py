@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -93,3 +94,31 @@ def test_unaligned_memory_is_written_direct_through_a_bounce_buffer(tmp_path, mo
     storage.write("f", [part])
     assert storage.read("f") == bytes(part)
     assert direct == [len(part) // BLOCK * BLOCK]  # every whole block, in three bounce copies
+
+
+def test_sync_issues_the_folders_fsyncs_together_through_run(tmp_path):
+    # Every fsync flushes the device's cache: the folders' fsyncs of one sync are handed to
+    # ``run`` together (a save runs them on its I/O threads), each folder once.
+    points = []
+    storage = LocalStorage(tmp_path, on_point=lambda phase, key: points.append((phase, key)))
+    keys = ["steps/1-a/t/zarr.json", "steps/1-a/t/c.0", "steps/1-a/u/c.0", "steps/1-a/zarr.json"]
+    for k in keys:
+        storage.write(k, [memoryview(b"x" * 10)])
+    batches = []
+
+    def run(jobs):
+        batches.append(len(jobs))
+        threads = [threading.Thread(target=job) for job in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    points.clear()
+    storage.sync(keys, run=run)
+    synced = sorted(os.path.relpath(k, tmp_path) for phase, k in points if phase == "fsync_dir")
+    assert synced == [".", "steps", "steps/1-a", "steps/1-a/t", "steps/1-a/u"]  # made here
+    assert batches == [5]
+    points.clear()
+    storage.sync(keys, run=run)  # the parents' new names are durable already
+    assert sorted(os.path.relpath(k, tmp_path) for _, k in points) == ["steps/1-a", "steps/1-a/t", "steps/1-a/u"]

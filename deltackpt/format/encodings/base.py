@@ -101,8 +101,8 @@ class ChunkSink(Protocol):
         """Queues chunk ``name`` of a part: ``data`` then ``pad`` zero bytes, coded as an array of
         ``dtype`` is unless ``uncoded``; ``release`` runs once it is written, and until then
         ``data`` must not change (without ``release``, a packed chunk is copied before this
-        returns). With ``hash_into``, the hash of each of ``data``'s rows goes there first, on
-        the write's thread. ``packed``: into the writer's pack, or a file of its own (None:
+        returns). With ``hash_into``, the hash of each of ``data``'s rows goes there, on an I/O
+        thread (a large file's beside its write, see :mod:`deltackpt.io.files`). ``packed``: into the writer's pack, or a file of its own (None:
         into the pack if the writer has one)."""
 
     def gather(self, flat: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:

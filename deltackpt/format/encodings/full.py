@@ -70,7 +70,7 @@ class Full(Encoding):
                chunk_shape: tuple[int, ...], *, row_offset: int = 0,
                hash_into: torch.Tensor | None = None, rule: Rowwise | None = None) -> None:
         """Copies ``t`` chunk by chunk into staging buffers, each written and given back on its
-        own (each row hashed into ``hash_into`` first, by the write threads, if given); a small
+        own (each row hashed into ``hash_into`` by the write threads, if given); a small
         part (:func:`in_pack`) goes into the pack at once instead."""
         if in_pack(tuple(t.shape), t.element_size(), chunk_shape):
             write_block(sink, key, path, t, chunk_shape, hash_into=hash_into, packed=True)
@@ -174,7 +174,7 @@ def write_block(sink: ChunkSink, key: str, path: str, t: torch.Tensor, chunk_sha
     """Queues every chunk of ``t``, rows of a ``full`` part from chunk ``first_chunk`` on, already
     in memory that the writes may read; ``release`` runs once all of them are written (without
     it, ``t`` may be a live tensor: a packed chunk is copied before this returns). With
-    ``hash_into`` (int64, a slot a row), the write threads put each row's hash there first.
+    ``hash_into`` (int64, a slot a row), the write threads put each row's hash there.
     ``packed``: as :meth:`ChunkSink.put` takes it."""
     rows = t.shape[0] if t.dim() else 1
     cr = chunk_shape[0] if chunk_shape else 1

@@ -1,0 +1,200 @@
+"""The files of a step outside its pack: each written by an I/O thread, with its size and
+xxh3-64 checksum recorded for the commit record, in the order that keeps the disk busy.
+
+A large file (a base's chunk, see :data:`APART_BYTES`) is two jobs: its write, and apart from
+it, its checksum and whatever else must read its bytes (the hash of each row, which the change
+tracker needs). The disk starts on the file at once instead of after the hashing: on a 2-core
+VM a 30 MB chunk's rows took 8-50 ms to hash, about as long as the write itself. The jobs wait
+in queues, taken in order by the I/O threads (one job asked of them for each one queued) and by
+the thread that waits for them all in :meth:`FileWrites.finish`: a large file's write when no
+file's bytes are being written (its fsync may overlap the next one's bytes), else a check,
+which gives back the staging buffer the saving thread waits for, else a write, else a small
+file (a base's zarr metadata: each one's fsync waits for the journal, and queued first they
+kept both I/O threads from the first chunk for 30-60 ms on a busy disk).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, Future
+
+import xxhash
+
+from ..storage import Storage
+
+APART_BYTES = 1 << 20  # a file at least this large is checked apart from its write
+_DISK, _HASH, _REST = range(3)  # the queues, in the order they are taken
+
+Record = Callable[[int, str], None]  # takes a written file's size and checksum
+
+
+def _nothing() -> None:
+    pass
+
+
+def wait_all(futures: list[Future[None]]) -> BaseException | None:
+    """Waits for every one of ``futures`` not cancelled; returns the first error."""
+    error = None
+    for f in futures:
+        if f.cancelled():
+            continue
+        try:
+            f.result()
+        except BaseException as e:  # noqa: BLE001 - every write must end before raising
+            error = error or e
+    return error
+
+
+class FileWrites:
+    """The file writes of one writer.
+
+    Args:
+        storage: where to write.
+        executor: the I/O threads.
+        gate: every file waits for it before it is written, and fails with its error (see
+            :class:`~deltackpt.io.writer.StepWriter`); the checks do not wait.
+    """
+
+    def __init__(self, storage: Storage, executor: Executor, gate: Future[None] | None = None):
+        self._storage = storage
+        self._gate = gate
+        self._executor = executor
+        self._lock = threading.Lock()
+        self._queues: tuple[deque[Callable[[], None]], ...] = (deque(), deque(), deque())
+        self._writing = 0  # large files whose bytes are being written
+        self._asks: list[Future[None]] = []  # a job of the I/O threads for each one queued
+        self._futures: list[Future[None]] = []  # the files written at once
+        self.written: list[str] = []  # every file written, for the directory syncs
+
+    def file(self, path: str, parts: Callable[[], Iterable[memoryview]], record: Record | None,
+             release: Callable[[], None] = _nothing, before: Callable[[], None] = _nothing, *,
+             at_once: bool = False) -> None:
+        """Queues the write of file ``path`` from ``parts()``, after ``before()`` on the same
+        thread; ``record`` takes its size and checksum once written, and ``release`` runs once
+        the write has ended, done or failed. ``at_once``: on an I/O thread as soon as one is free,
+        outside the queues (a pack's file, which holds its thread until the pack ends)."""
+
+        def job() -> None:
+            try:
+                self._pass_gate()
+                before()
+                h = xxhash.xxh3_64()
+                size = 0
+
+                def hashed() -> Iterator[memoryview]:
+                    nonlocal size
+                    for p in parts():
+                        h.update(p)
+                        size += p.nbytes
+                        yield p
+
+                self._storage.write(path, hashed())
+                with self._lock:
+                    if record:
+                        record(size, h.hexdigest())
+                    self.written.append(path)
+            finally:
+                release()
+
+        if at_once:
+            self._futures.append(self._executor.submit(job))
+        else:
+            self._queue(_REST, job)
+
+    def large(self, path: str, parts: Callable[[], list[memoryview]], record: Record,
+              release: Callable[[], None], before: Callable[[], None]) -> None:
+        """Queues a large file's write, and apart from it ``before()`` and the file's checksum;
+        ``parts()`` gives the same bytes at every call. ``record`` takes the file's size and
+        checksum once both jobs have succeeded; ``release`` runs once both have ended."""
+        left = [2]
+        digest: list[tuple[int, str]] = []
+        wrote: list[bool] = []
+
+        def ended() -> None:
+            with self._lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+                if digest and wrote:
+                    record(*digest[0])
+            release()
+
+        def write() -> None:
+            writing = [True]
+
+            def given() -> Iterator[memoryview]:
+                yield from parts()
+                self._wrote(writing)
+
+            try:
+                self._pass_gate()
+                self._storage.write(path, given())
+                with self._lock:
+                    wrote.append(True)
+                    self.written.append(path)
+            finally:
+                self._wrote(writing)  # if the write failed before its last byte
+                ended()
+
+        def check() -> None:
+            try:
+                before()
+                h = xxhash.xxh3_64()
+                size = 0
+                for p in parts():
+                    h.update(p)
+                    size += p.nbytes
+                digest.append((size, h.hexdigest()))
+            finally:
+                ended()
+
+        self._queue(_DISK, write)
+        self._queue(_HASH, check)
+
+    def finish(self) -> BaseException | None:
+        """Runs every queued job no I/O thread has started, then waits for every write; returns
+        the first error."""
+        error = None
+        while any(self._queues):
+            try:
+                self._next()
+            except BaseException as e:  # noqa: BLE001 - every buffer must go back
+                error = error or e
+        for f in self._asks:  # the queues are empty: those not started have nothing to run
+            f.cancel()
+        return self.wait() or error
+
+    def wait(self) -> BaseException | None:
+        """Waits for every write (the I/O threads run every job still queued); returns the
+        first error."""
+        error = wait_all(self._asks)
+        return wait_all(self._futures) or error
+
+    def _pass_gate(self) -> None:
+        if self._gate is not None:
+            self._gate.result()
+
+    def _queue(self, queue: int, job: Callable[[], None]) -> None:
+        self._queues[queue].append(job)
+        self._asks.append(self._executor.submit(self._next))
+
+    def _next(self) -> None:
+        """Runs the next queued job, in the order the module's docstring gives."""
+        with self._lock:
+            order = (_HASH, _DISK, _REST) if self._writing else (_DISK, _HASH, _REST)
+            queue = next((q for q in order if self._queues[q]), None)
+            if queue is None:
+                return  # finish() ran it
+            job = self._queues[queue].popleft()
+            if queue == _DISK:
+                self._writing += 1
+        job()
+
+    def _wrote(self, writing: list[bool]) -> None:
+        """A large file's bytes have all gone to storage, or its write failed (once a file)."""
+        with self._lock:
+            if writing[0]:
+                writing[0] = False
+                self._writing -= 1
