@@ -77,14 +77,16 @@ class LocalPlan:
         """The plan of the tensors ``rows`` on ``rank``: each tensor's key, dtype name, global
         shape, offset and local shape, sorted by key."""
         width = max((len(r[2]) for r in rows), default=0)
-        size = np.ones((3, len(rows), width), np.int64)
-        size[1] = 0
-        for i, (_, _, global_shape, offset, shape) in enumerate(rows):
-            n = len(global_shape)
-            size[0, i, :n], size[1, i, :n], size[2, i, :n] = global_shape, offset, shape
+        ones, zeros = [(1,) * k for k in range(width + 1)], [(0,) * k for k in range(width + 1)]
+
+        def column(values: list[tuple[int, ...]], pad: list[tuple[int, ...]]) -> np.ndarray:
+            return np.array([v + pad[width - len(v)] for v in values], np.int64).reshape(len(rows), width)
+
         code = {d: i for i, d in enumerate(DTYPES)}
         return cls(rank, "\0".join(r[0] for r in rows), np.array([code[r[1]] for r in rows], np.uint8),
-                   np.array([len(r[2]) for r in rows], np.int64), size[0], size[1], size[2], tree, settings)
+                   np.array([len(r[2]) for r in rows], np.int64), column([r[2] for r in rows], ones),
+                   column([r[3] for r in rows], zeros), column([r[4] for r in rows], ones),
+                   tree, settings)
 
     def names(self) -> list[str]:
         """The keys, in order."""

@@ -35,6 +35,7 @@ from .planner import GlobalPlan
 from .types import Kind, SavePlan, WriteItem, WriteResult
 
 T = TypeVar("T")
+_FIRST = np.zeros(1, np.int64)  # the one part of a tensor of one part
 
 
 def describe(writer: StepWriter, save: SavePlan, plan: GlobalPlan, sizes: tuple[int, int]) -> None:
@@ -47,7 +48,7 @@ def describe(writer: StepWriter, save: SavePlan, plan: GlobalPlan, sizes: tuple[
         for t in plan.tensors.values():
             dtype = dtypes.from_name(t.dtype)
             shapes = plan.shape[t.first:t.first + t.count, :len(t.global_shape)]
-            for shape, parts in _by_shape(shapes):
+            for shape, parts in _by_shape(shapes) if t.count > 1 else [(tuple(shapes[0].tolist()), _FIRST)]:
                 arrays = described(save.kind, dtype, t.global_shape, shape, sizes)
                 for i in parts.tolist() if arrays else ():
                     path = "" if t.count == 1 else f"p{i}"
