@@ -247,6 +247,19 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
+def flat_bytes(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bytes as a flat uint8 array (a view where ``t`` is contiguous), for
+    :func:`hash_bytes`."""
+    return _bytes(t)
+
+
+def hash_bytes(b: np.ndarray, piece: int, out: np.ndarray) -> None:
+    """XXH64 of every ``piece``-byte piece of the flat uint8 array ``b`` (the last may be short)
+    into the uint64 array ``out``, on the calling thread: a slice of :func:`flat_bytes` that
+    starts on a row or chunk boundary hashes those rows or chunks, in one compiled call."""
+    _hash(b, piece, out, 1)
+
+
 def hash_rows(t: torch.Tensor, threads: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """XXH64 of every row (``t[i]``) of a CPU tensor, as int64 bit patterns, on at most
     ``threads`` threads (None: ``torch.get_num_threads()``; see :data:`PARALLEL_MIN`), into

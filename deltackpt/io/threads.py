@@ -97,13 +97,17 @@ _loadavg: list[int] = []  # its descriptor, opened at the first call (none where
 
 
 def idle_cores() -> int | None:
-    """How many of the CPUs this process may run on have no task to run now, counting this
-    thread as one (less than zero when tasks wait for a core): from the kernel's count of
-    runnable tasks in ``/proc/loadavg``, read in a few microseconds; None on a system without it.
+    """How many of the CPUs this process may run on no other process's task needs now, less one
+    for this thread (less than zero when other processes' tasks wait for a core): from the
+    kernel's count of runnable tasks in ``/proc/loadavg``, less this process's own runnable
+    threads; None on a system without it.
 
     A save asks before it splits work across its threads: an idle core takes a share at once,
     while on a node whose cores are busy elsewhere a woken thread waits for one, and the thread
-    that waits for its share with it (with the GIL, possibly, while it waits).
+    that waits for its share with it (with the GIL, possibly, while it waits). This process's own
+    threads do not count: the threads a save wakes come from its own bounded pool, and right
+    after a training step torch's OpenMP workers spin for milliseconds before they sleep, which
+    would make every core look busy at every save (a delta's hashing then ran on one thread).
     """
     if not _loadavg:
         try:
@@ -114,7 +118,33 @@ def idle_cores() -> int | None:
         return None
     # "0.52 0.58 0.59 3/467 12345": the fourth field is runnable tasks / all tasks.
     running = int(os.pread(_loadavg[0], 128, 0).split()[3].split(b"/")[0])
-    return len(os.sched_getaffinity(0)) - running
+    return len(os.sched_getaffinity(0)) - 1 - max(0, running - _running_here())
+
+
+def _running_here() -> int:
+    """This process's threads that are runnable now (state R in ``/proc/self/task``), this one
+    included: ~50 us for a few threads."""
+    n = 0
+    try:
+        tasks = os.scandir("/proc/self/task")
+    except OSError:
+        return 1
+    with tasks:
+        for task in tasks:
+            try:
+                fd = os.open(f"/proc/self/task/{task.name}/stat", os.O_RDONLY)
+            except OSError:
+                continue  # ended meanwhile
+            try:
+                stat = os.read(fd, 512)
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+            # "tid (name) S ...": the state follows the name, which may hold spaces and ")".
+            end = stat.rfind(b")")
+            n += end >= 0 and stat[end + 2 : end + 3] == b"R"
+    return max(n, 1)
 
 
 _ahead: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()

@@ -87,9 +87,17 @@ class ChangeTracker:
     def hash(self, t: torch.Tensor, by_rows: bool) -> torch.Tensor:
         """Every row's (``by_rows``; a 1-d tensor's rows are its elements) or chunk's hash of
         ``t``, on the CPU."""
+        return self.hasher.many([self._hash_input(t, by_rows)])[0]
+
+    def _hash_all(self, tensors: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """:meth:`hash` of each ``(key, tensor)``, by rows or chunks as :meth:`by_rows` says, in
+        one run of the hasher (see :meth:`Hasher.many`)."""
+        return self.hasher.many([self._hash_input(t, self.by_rows(k, t)) for k, t in tensors])
+
+    def _hash_input(self, t: torch.Tensor, by_rows: bool) -> tuple[torch.Tensor, int | None]:
         if by_rows:
-            return self.hasher.rows(t if t.dim() >= 2 else t.view(-1, 1))
-        return self.hasher.chunks(t, self.chunk_elems(t) * t.element_size())
+            return (t if t.dim() >= 2 else t.view(-1, 1)), None
+        return t, self.chunk_elems(t) * t.element_size()
 
     def by_rows(self, key: str, t: torch.Tensor) -> bool:
         """Whether ``t``'s changes are rows (else dense chunks): it has two dimensions or more,
@@ -176,7 +184,9 @@ class ChangeTracker:
             joined = Joined(list(pieces), list(pieces.values()), np.cumsum(sizes),
                              kernels.hash_segments(small, list(pieces.values())))
             found = dict(zip(pieces, joined.hashes.split(sizes)))
-        return {k: found[k] if k in found else self.hash(t, self.by_rows(k, t)) for k, t in tensors.items()}, joined
+        rest = [(k, t) for k, t in tensors.items() if k not in found]
+        found.update(zip((k for k, _ in rest), self._hash_all(rest)))
+        return {k: found[k] for k in tensors}, joined
 
     def row_hashed(self, tensors: Mapping[str, torch.Tensor]) -> set[str]:
         """The keys of ``tensors`` whose references are a hash per row (the others': per chunk)."""
@@ -229,13 +239,14 @@ class ChangeTracker:
         """:meth:`_scan_hashes` of every tensor: the small ones hashed in one call
         (:func:`~deltackpt.kernels.hash_segments`) and compared with their references in one
         pass over the hashes it joined (the references joined as the last commit left them, when
-        the same tensors were joined the same way), the others one by one. An unchanged
+        the same tensors were joined the same way), the others in one run of the hasher. An unchanged
         tensor's change set is its reference's (:meth:`Reference.unchanged`)."""
         out = {}
         keys: list[str] = []
         pieces: list[int] = []
         small: list[torch.Tensor] = []
         refs: list[Reference] = []
+        large: dict[str, torch.Tensor] = {}
         for key, t in tensors.items():
             by_rows = t.dim() >= 2 or key in self._aligned
             ref = self._refs.get(key)
@@ -251,7 +262,8 @@ class ChangeTracker:
                     small.append(t)
                     refs.append(ref)
                     continue
-            out[key] = self._scan_hashes(key, t)
+            large[key] = t
+        out.update(self._scan_hashes(large))
         if keys:
             last = self._joined
             if last is not None and last.keys == keys and last.pieces == pieces:
@@ -287,14 +299,18 @@ class ChangeTracker:
         """Whether ``t`` is a 1-d tensor whose changes are rows (see :meth:`RowTracker.aligned`)."""
         return key in self._aligned and t.dim() == 1
 
-    def _scan_hashes(self, key: str, t: torch.Tensor) -> TensorChange:
-        by_rows = self.by_rows(key, t)
-        aligned = self._aligned_1d(key, t)
-        ref = self._refs.get(key)
-        if ref is None or not ref.matches(t, by_rows):
-            return TensorChange(None, None, aligned=aligned)
-        h = self.hash(t, by_rows)
-        return TensorChange((h != ref.hashes).nonzero().flatten(), h, aligned=aligned)
+    def _scan_hashes(self, tensors: dict[str, torch.Tensor]) -> dict[str, TensorChange]:
+        """The change sets of ``tensors`` from their hashes, all hashed in one run of the hasher."""
+        out, hashed = {}, []
+        for key, t in tensors.items():
+            ref = self._refs.get(key)
+            if ref is None or not ref.matches(t, self.by_rows(key, t)):
+                out[key] = TensorChange(None, None, aligned=self._aligned_1d(key, t))
+            else:
+                hashed.append((key, t, ref))
+        for (key, t, ref), h in zip(hashed, self._hash_all([(k, t) for k, t, _ in hashed])):
+            out[key] = TensorChange((h != ref.hashes).nonzero().flatten(), h, aligned=self._aligned_1d(key, t))
+        return {k: out[k] for k in tensors}
 
     def _scan_group(
         self, group: TrackedGroup, tensors: dict[str, torch.Tensor]
@@ -316,7 +332,7 @@ class ChangeTracker:
                 "from now on", table.name, ", ".join(missed))
             table.fall_back()
         table.hashed(group.rows, members[group.keys[0]].device)
-        return {k: self._scan_hashes(k, t) for k, t in members.items()}
+        return self._scan_hashes(members)
 
     def _audit(self, group: TrackedGroup, members: dict[str, torch.Tensor],
                ids: torch.Tensor) -> dict[str, TensorChange]:
@@ -324,7 +340,7 @@ class ChangeTracker:
         (so the delta writes any stray change); a change no mark explains stops the marks."""
         table = group.table
         self._audited.add(id(table))
-        out = {k: self._scan_hashes(k, t) for k, t in members.items()}
+        out = self._scan_hashes(members)
         missed = [k for k, ch in out.items() if ch.changed is not None and bool(
             (~torch.isin(ch.changed, self._units(k, members[k], ids))).any())]
         if missed:

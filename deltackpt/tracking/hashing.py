@@ -10,9 +10,11 @@ single-threaded kernel on the I/O threads keeps every thread a save uses in one 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from functools import partial
 
+import numpy as np
 import torch
 
 from .. import kernels  # installed from kernels/, see pyproject
@@ -34,7 +36,8 @@ class Hasher:
     ``PIECE_BYTES``, hashed into one result by the caller and up to ``threads - 1`` threads of the
     executor, as many as there are idle cores (:func:`~deltackpt.io.threads.idle_cores`), each
     taking the next piece none has started. Anything smaller, or any input while no core is
-    idle, is hashed on the calling thread, and a device tensor by its kernels.
+    idle, is hashed on the calling thread, and a device tensor by its kernels. :meth:`many`
+    hashes several tensors in one such run, so the threads are woken once for them all.
 
     Args:
         executor: the save's worker threads; None hashes everything on the calling thread.
@@ -51,44 +54,57 @@ class Hasher:
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:
         """Every row's hash of ``t`` (see :func:`deltackpt.kernels.hash_rows`), on the CPU."""
-        pieces, helpers = self._split(t)
-        if pieces <= 1 or not t.shape[0] or self._executor is None:
-            return kernels.hash_rows(t, threads=1).cpu()
-        t = t.contiguous()
-        out = torch.empty(t.shape[0], dtype=torch.int64)
-        step = -(-t.shape[0] // pieces)
-        run_shared(self._executor, [partial(kernels.reference.hash_rows, t[lo : lo + step], 1, out[lo : lo + step])
-                                    for lo in range(0, t.shape[0], step)], helpers)
-        return out
+        return self.many([(t, None)])[0]
 
     def chunks(self, t: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
         """Every ``chunk_bytes`` piece's hash of ``t``'s flat bytes (see
         :func:`deltackpt.kernels.hash_chunks`), on the CPU."""
-        count = -(-t.numel() * t.element_size() // chunk_bytes)
-        pieces, helpers = self._split(t)
-        pieces = min(pieces, count)
-        if pieces <= 1 or self._executor is None:
-            return kernels.hash_chunks(t, chunk_bytes, threads=1).cpu()
-        flat = t.contiguous().reshape(-1)
-        per_chunk = chunk_bytes // t.element_size()
-        out = torch.empty(count, dtype=torch.int64)
-        step = -(-count // pieces)  # chunks a piece; pieces end on chunk boundaries
-        run_shared(self._executor, [partial(kernels.reference.hash_chunks, flat[lo * per_chunk : (lo + step) * per_chunk],
-                                            chunk_bytes, 1, out[lo : lo + step])
-                                    for lo in range(0, count, step)], helpers)
+        return self.many([(t, chunk_bytes)])[0]
+
+    def many(self, inputs: Sequence[tuple[torch.Tensor, int | None]]) -> list[torch.Tensor]:
+        """:meth:`rows` (chunk bytes None) or :meth:`chunks` of each ``(tensor, chunk_bytes)``,
+        the pieces of all the large ones in one run: a scan of a few dozen tables of a few MiB
+        wakes the I/O threads once, not once a table (each wake-up cost ~0.3 ms of a 1 ms hash)."""
+        out: list[torch.Tensor] = []
+        jobs: list[Callable[[], object]] = []
+        helpers = self._helpers() if any(self._large(t) for t, _ in inputs) else 0
+        for t, chunk_bytes in inputs:
+            if not helpers or not self._large(t):
+                out.append((kernels.hash_rows(t, threads=1) if chunk_bytes is None
+                            else kernels.hash_chunks(t, chunk_bytes, threads=1)).cpu())
+                continue
+            if chunk_bytes is None:  # rows
+                unit = t.numel() // t.shape[0] * t.element_size()
+                count = t.shape[0]
+            else:
+                unit, count = chunk_bytes, -(-t.numel() * t.element_size() // chunk_bytes)
+            out.append(torch.empty(count, dtype=torch.int64))
+            jobs += _pieces(t, unit, out[-1])
+        if jobs:
+            assert self._executor is not None  # helpers are its threads
+            run_shared(self._executor, jobs, helpers)
         return out
 
-    def _split(self, t: torch.Tensor) -> tuple[int, int]:
-        """How many pieces to hash ``t`` in, and how many I/O threads to ask for help (1, 0: all
-        on this thread)."""
-        if self._executor is None or self._threads <= 1 or t.device.type != "cpu":
-            return 1, 0
-        pieces = t.numel() * t.element_size() // PIECE_BYTES
-        if pieces <= 1:
-            return 1, 0
+    def _large(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is worth splitting: on the CPU, at least two pieces."""
+        return t.device.type == "cpu" and t.numel() * t.element_size() >= 2 * PIECE_BYTES
+
+    def _helpers(self) -> int:
+        """How many I/O threads may help now: one per idle core, at most ``threads - 1``."""
+        if self._executor is None or self._threads <= 1:
+            return 0
         idle = idle_cores()
-        helpers = self._threads - 1 if idle is None else min(self._threads - 1, idle)
-        return (pieces, helpers) if helpers > 0 else (1, 0)
+        return max(0, self._threads - 1 if idle is None else min(self._threads - 1, idle))
+
+
+def _pieces(t: torch.Tensor, unit: int, out: torch.Tensor) -> list[Callable[[], object]]:
+    """Jobs that hash ``t``'s bytes in units of ``unit`` bytes (rows or chunks; the last may be
+    short) into ``out``, about ``PIECE_BYTES`` a job, each one compiled call on arrays sliced here
+    (a job runs no tensor operation, which would keep the thread waiting for the GIL)."""
+    b, o = kernels.reference.flat_bytes(t), out.numpy().view(np.uint64)
+    step = max(1, PIECE_BYTES // unit)  # units a job
+    return [partial(kernels.reference.hash_bytes, b[lo * unit : (lo + step) * unit], unit, o[lo : lo + step])
+            for lo in range(0, o.shape[0], step)]
 
 
 _warming: list[bool] = []

@@ -99,6 +99,32 @@ def test_idle_cores_counts_this_thread_as_running():
     assert idle is not None and idle <= len(os.sched_getaffinity(0)) - 1
 
 
+def test_a_busy_thread_of_this_process_leaves_its_core_idle():
+    """Right after a training step torch's OpenMP workers spin before they sleep: this process's
+    own runnable threads are no other process's load, so a save still finds the core idle."""
+    import hashlib
+
+    def samples() -> int:
+        return max(idle_cores() for _ in range(20))
+
+    quiet = samples()
+    stop = threading.Event()
+    data = os.urandom(1 << 22)
+
+    def spin() -> None:
+        while not stop.is_set():
+            hashlib.sha256(data).digest()  # runs without the GIL: the thread stays runnable
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    try:
+        busy = samples()
+    finally:
+        stop.set()
+        spinner.join()
+    assert busy >= quiet
+
+
 @pytest.mark.parametrize("found", [1, 2, None])
 def test_a_table_of_a_few_mib_is_split_while_a_core_is_idle(idle, found):
     """A 6.4 MB table is hashed by the calling thread and the I/O threads as long as a core is
@@ -109,6 +135,20 @@ def test_a_table_of_a_few_mib_is_split_while_a_core_is_idle(idle, found):
         got = Hasher(ex, 3).rows(table)
     assert ex.submitted == (2 if found is None else min(2, found))
     assert got.equal(kernels.hash_rows(table, threads=1))
+
+
+def test_tables_hashed_together_wake_the_threads_once(idle):
+    """A scan of several tables of a few MiB hands all their pieces to the I/O threads at once:
+    one wake-up a helper, not one a table."""
+    idle(1)
+    tables = [torch.randn(50_000 + i, 32) for i in range(4)]
+    flat = torch.randn(3 * MiB)
+    with CountingPool(3) as ex:
+        got = Hasher(ex, 3).many([*((t, None) for t in tables), (flat, MiB)])
+    assert ex.submitted == 1
+    for t, h in zip(tables, got):
+        assert h.equal(kernels.hash_rows(t, threads=1))
+    assert got[-1].equal(kernels.hash_chunks(flat, MiB, threads=1))
 
 
 @pytest.mark.parametrize("found", [0, -2])
