@@ -95,30 +95,20 @@ class Canary:
             missed *= (rows - s - i) / (rows - i)
         return 1.0 - missed
 
-    def generator(self) -> torch.Generator:
+    def generator(self) -> np.random.Generator:
         """A generator for this canary's draws."""
-        gen = torch.Generator()
-        if self.seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(self.seed)
-        return gen
+        return np.random.default_rng(self.seed)
 
 
-def draw_rows(rows: int, count: int, generator: torch.Generator) -> torch.Tensor:
+def draw_rows(rows: int, count: int, generator: np.random.Generator) -> torch.Tensor:
     """``count`` distinct row ids below ``rows`` (all of them if fewer), uniformly at random:
-    every subset of that size is equally likely. Costs O(count), not O(rows), when ``count`` is
-    small beside ``rows``."""
+    every subset of that size is equally likely, in no particular order. Costs O(count), not
+    O(rows), when ``count`` is small beside ``rows`` (numpy's sampling without replacement:
+    ~20 us for 1,024 of any number of rows, where drawing with torch and deduplicating took
+    ~165 us)."""
     if count >= rows:
         return torch.arange(rows)
-    if 4 * count >= rows:
-        return torch.randperm(rows, generator=generator)[:count]
-    picked = torch.empty(0, dtype=torch.int64)
-    while picked.numel() < count:
-        more = torch.randint(0, rows, (2 * (count - picked.numel()),), generator=generator)
-        picked = torch.unique(torch.cat([picked, more]))
-    # A uniform subset of a uniformly drawn set is uniform.
-    return picked[torch.randperm(picked.numel(), generator=generator)[:count]]
+    return torch.from_numpy(generator.choice(rows, count, replace=False, shuffle=False).astype(np.int64))
 
 
 class TableMode(enum.Enum):
