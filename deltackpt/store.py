@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 from .errors import (
     BrokenChainError,
@@ -21,8 +23,8 @@ from .errors import (
 )
 from .format.layout import BASES, COMMITS, RECORD_NAME, STEPS, base_key, commit_key
 from .format.limits import MAX_RECORD_BYTES, MAX_STEP
-from .format.manifest import FORMAT, Manifest
-from .format.record_checks import parse_manifest
+from .format.manifest import FORMAT, Manifest, StepSummary
+from .format.record_checks import parse_manifest, parse_summary
 from .format.record_io import checksum, encode_record, table_key
 from .format.zarr_meta import group_doc
 from .storage import Storage
@@ -42,6 +44,7 @@ class Store:
         # The last records known whole, by key: bytes, step and attempt (see holds).
         self._known: dict[str, tuple[bytes, int, str]] = {}
         self._roots: dict[str, bytes] = {}  # the bytes of each cached record, by key (see root)
+        self._summaries: dict[str, StepSummary] = {}  # by record key (see summary)
 
     def exists(self) -> bool:
         return self.storage.size("zarr.json") is not None
@@ -135,6 +138,39 @@ class Store:
         self._roots[key] = data
         return m
 
+    def summary(self, step: int) -> StepSummary:
+        """The own fields of the commit record of ``step`` (see
+        :func:`~deltackpt.format.record_checks.parse_summary`): what ``ls`` shows, its tree and
+        tensors left unread.
+
+        Raises:
+            StepNotFoundError: ``step`` is not committed.
+            ManifestError: those fields are corrupt.
+        """
+        found = self._summary(commit_key(step), step)
+        if found is None:
+            raise StepNotFoundError(step, self.steps())
+        return found
+
+    def compacted_summary(self, step: int) -> StepSummary | None:
+        """:meth:`summary` of the base compaction made for ``step``, or None."""
+        s = self._summary(base_key(step), step)
+        if s is not None and s.compacts is None:
+            raise ManifestError(f"{base_key(step)}: is not a compacted base of step {step}")
+        return s
+
+    def _summary(self, key: str, step: int) -> StepSummary | None:
+        if key not in self._summaries:
+            try:
+                data = self._read_small(key)
+            except FileNotFoundError:
+                return None
+            s = parse_summary(data, key)
+            if s.step != step:
+                raise ManifestError(f"{key}: records step {s.step}, not {step}")
+            self._summaries[key] = s
+        return self._summaries[key]
+
     def parse(self, key: str, data: bytes) -> Manifest:
         """The record ``data`` read from ``key`` of this store, its parts read from its part
         tables on first use (see :func:`~deltackpt.format.record_checks.parse_manifest`)."""
@@ -154,38 +190,11 @@ class Store:
             StepNotFoundError: ``step`` is not committed.
             BrokenChainError: a parent is missing, corrupt or of another lineage.
         """
-        head = self.manifest(step)
-        chain = [self._stand_in(step, step, head.attempt) or head]
-        while chain[-1].kind == "delta":
-            child = chain[-1]
-            at = child.parent
-            if at is None:  # the record parser refuses such a record
-                raise ManifestError(f"{commit_key(child.step)}: a delta without a parent")
-            stand_in = self._stand_in(step, at, child.parent_attempt)
-            if stand_in is not None:
-                chain.append(stand_in)
-                break
-            try:
-                parent = self.manifest(at)
-            except StepNotFoundError:
-                raise BrokenChainError(step, at, "its commit record is missing") from None
-            except ManifestError as e:
-                raise BrokenChainError(step, at, str(e)) from None
-            if parent.attempt != child.parent_attempt:
-                raise BrokenChainError(
-                    step, at, f"step {child.step} was saved on another lineage"
-                )
-            chain.append(parent)
-        chain.reverse()
-        return chain
+        return _chain(step, self.manifest, self.compacted)
 
-    def _stand_in(self, step: int, at: int, attempt: str | None) -> Manifest | None:
-        """The compacted base of step ``at`` if it stands in for the record ``attempt``."""
-        try:
-            base = self.compacted(at)
-        except ManifestError as e:
-            raise BrokenChainError(step, at, str(e)) from None
-        return base if base is not None and base.compacts == attempt else None
+    def summary_chain(self, step: int) -> list[StepSummary]:
+        """:meth:`chain` of the records' own fields alone (see :meth:`summary`)."""
+        return _chain(step, self.summary, self.compacted_summary)
 
     def check_new_step(self, step: int) -> None:
         """Raises StepExistsError unless ``step`` is after every committed step."""
@@ -277,6 +286,7 @@ class Store:
         """Removes the record of ``step`` that this process just committed."""
         self._manifests.pop(step, None)
         self._roots.pop(commit_key(step), None)
+        self._summaries.pop(commit_key(step), None)
         self.storage.delete(commit_key(step))
         self.storage.sync_folders([COMMITS])
 
@@ -285,6 +295,63 @@ class Store:
         self._manifests.clear()
         self._bases.clear()
         self._roots.clear()
+        self._summaries.clear()
+
+
+class _Record(Protocol):
+    """What walking a chain reads of a record (a :class:`Manifest` or a :class:`StepSummary`)."""
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def attempt(self) -> str: ...
+    @property
+    def parent(self) -> int | None: ...
+    @property
+    def parent_attempt(self) -> str | None: ...
+    @property
+    def compacts(self) -> str | None: ...
+
+
+R = TypeVar("R", bound=_Record)
+
+
+def _chain(step: int, record: Callable[[int], R], compacted: Callable[[int], R | None]) -> list[R]:
+    """The records of :meth:`Store.chain`, read by ``record`` (a step's) and ``compacted`` (the
+    base compaction made for a step, if any)."""
+
+    def stand_in(at: int, attempt: str | None) -> R | None:
+        """The compacted base of step ``at`` if it stands in for the record ``attempt``."""
+        try:
+            base = compacted(at)
+        except ManifestError as e:
+            raise BrokenChainError(step, at, str(e)) from None
+        return base if base is not None and base.compacts == attempt else None
+
+    head = record(step)
+    chain = [stand_in(step, head.attempt) or head]
+    while chain[-1].kind == "delta":
+        child = chain[-1]
+        at = child.parent
+        if at is None:  # the record parser refuses such a record
+            raise ManifestError(f"{commit_key(child.step)}: a delta without a parent")
+        found = stand_in(at, child.parent_attempt)
+        if found is not None:
+            chain.append(found)
+            break
+        try:
+            parent = record(at)
+        except StepNotFoundError:
+            raise BrokenChainError(step, at, "its commit record is missing") from None
+        except ManifestError as e:
+            raise BrokenChainError(step, at, str(e)) from None
+        if parent.attempt != child.parent_attempt:
+            raise BrokenChainError(step, at, f"step {child.step} was saved on another lineage")
+        chain.append(parent)
+    chain.reverse()
+    return chain
 
 
 def _record_steps(names: list[str]) -> list[int]:

@@ -122,6 +122,28 @@ class TensorRecord:
 
 
 @dataclass(frozen=True)
+class StepSummary:
+    """A commit record's own fields, without its tree and tensors: what a listing of steps
+    shows and a chain is walked by (see :func:`deltackpt.format.record_checks.parse_summary`).
+    The attributes are :class:`Manifest`'s of the same names."""
+
+    step: int
+    kind: str
+    attempt: str
+    parent: int | None
+    parent_attempt: str | None
+    base: int
+    chain_length: int
+    world_size: int
+    created: float
+    bytes_written: int
+    state_bytes: int
+    compacts: str | None
+    lossy: bool
+    format: int
+
+
+@dataclass(frozen=True)
 class Manifest:
     """The commit record of one step.
 

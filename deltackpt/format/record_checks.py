@@ -21,7 +21,7 @@ from .encodings import Encoding
 from .grid import check_pack
 from .limits import MAX_DEPTH, MAX_STEP, key_problem, unique_keys
 from .lossy import Lossy
-from .manifest import FORMATS, KINDS, LOSSY_FORMAT, ChunkMap, Manifest, TensorRecord
+from .manifest import FORMATS, KINDS, LOSSY_FORMAT, ChunkMap, Manifest, StepSummary, TensorRecord
 from .part_layout import PartLayout, parse_layout
 from .record_io import TableReader, lazy_tensors
 
@@ -40,11 +40,30 @@ def parse_manifest(data: bytes, where: str, read: TableReader) -> Manifest:
         ManifestError: the root breaks the format; a record of format 2 or 3 (written before
             part tables) is refused, naming its format.
     """
+    return _parse(_json(data, where), where, read)
+
+
+@paused()
+def parse_summary(data: bytes, where: str) -> StepSummary:
+    """Parses a root record's own fields alone, as strictly as :func:`parse_manifest` does, and
+    leaves its tree and tensors unchecked: a listing of hundreds of steps of a job of 1,024
+    ranks reads each record's step, kind, parent and sizes, not its thousands of tensors (whose
+    checks took ~94% of parsing such a root; a restore, load or verify checks them).
+
+    Raises:
+        ManifestError: those fields break the format.
+    """
+    doc = _json(data, where)
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{where}: a commit record must be a JSON object")
+    return _summary(doc, where)
+
+
+def _json(data: bytes, where: str) -> Any:
     try:
-        doc = json.loads(data, parse_constant=_reject_constant, object_pairs_hook=unique_keys)
+        return json.loads(data, parse_constant=_reject_constant, object_pairs_hook=unique_keys)
     except (ValueError, RecursionError) as e:
         raise ManifestError(f"{where}: not valid JSON ({e})") from None
-    return _parse(doc, where, read)
 
 
 def _reject_constant(name: str) -> Any:
@@ -79,9 +98,7 @@ def _count(doc: dict[str, Any], name: str, where: str) -> int:
     return value
 
 
-def _parse(doc: Any, where: str, read: TableReader) -> Manifest:
-    if not isinstance(doc, dict):
-        raise ManifestError(f"{where}: a commit record must be a JSON object")
+def _summary(doc: dict[str, Any], where: str) -> StepSummary:
     fmt = _field(doc, "format", int, where)
     if fmt not in FORMATS:
         raise ManifestError(f"{where}: format {fmt} is not supported (this version reads {FORMATS}"
@@ -89,15 +106,47 @@ def _parse(doc: Any, where: str, read: TableReader) -> Manifest:
     kind = _field(doc, "kind", str, where)
     if kind not in KINDS:
         raise ManifestError(f"{where}: field 'kind' must be one of {KINDS}, got {kind!r}")
+    attempt = _field(doc, "attempt", str, where)
+    if "/" in attempt or attempt in ("", ".", ".."):
+        raise ManifestError(f"{where}: field 'attempt' has a bad value {attempt!r}")
+    created = _field(doc, "created", (int, float), where)
+    if not math.isfinite(created):
+        raise ManifestError(f"{where}: field 'created' has a bad value {created!r}")
+    s = StepSummary(
+        step=_count(doc, "step", where),
+        kind=kind,
+        attempt=attempt,
+        parent=_optional_count(doc, "parent", where),
+        parent_attempt=_field(doc, "parent_attempt", (str, type(None)), where),
+        base=_count(doc, "base", where),
+        chain_length=_count(doc, "chain_length", where),
+        world_size=_count(doc, "world_size", where),
+        created=float(created),
+        bytes_written=_count(doc, "bytes_written", where),
+        state_bytes=_count(doc, "state_bytes", where),
+        compacts=_field(doc, "compacts", (str, type(None)), where),
+        lossy=_field(doc, "lossy", bool, where) if fmt == LOSSY_FORMAT else False,
+        format=fmt,
+    )
+    if s.compacts is not None and s.kind != "base":
+        raise ManifestError(f"{where}: only a base can stand in for a step ('compacts')")
+    if (s.kind == "base") != (s.parent is None) or (s.kind == "base") != (s.base == s.step):
+        raise ManifestError(f"{where}: kind {s.kind!r} disagrees with parent {s.parent} / base {s.base}")
+    if s.parent is not None and not s.base <= s.parent < s.step:
+        raise ManifestError(f"{where}: parent {s.parent} must lie in [base {s.base}, step {s.step})")
+    return s
+
+
+def _parse(doc: Any, where: str, read: TableReader) -> Manifest:
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{where}: a commit record must be a JSON object")
+    s = _summary(doc, where)
     packs = {}
     for name, files in _field(doc, "packs", dict, where).items():
         if not isinstance(files, dict) or not _PACK.fullmatch(name) or "c.0" not in files:
             raise ManifestError(f"{where}: pack {name!r:.40} has a bad entry {files!r:.80}")
         packs[name] = _chunk_map(files, f"{where}: pack {name!r}", packed=False)
         check_pack(packs[name], f"{where}: pack {name!r}")
-    attempt = _field(doc, "attempt", str, where)
-    if "/" in attempt or attempt in ("", ".", ".."):
-        raise ManifestError(f"{where}: field 'attempt' has a bad value {attempt!r}")
     heads = {}
     # Thousands of tensors share a few distinct entries: each is checked once. repr() of what
     # json.loads builds (dicts, lists, str, int, float, bool, None) tells any two values apart.
@@ -108,44 +157,35 @@ def _parse(doc: Any, where: str, read: TableReader) -> Manifest:
         same = repr(rec)
         head = parsed.get(same)
         if head is None:
-            head = parsed[same] = _parse_tensor(rec, fmt, f"{where}: tensor {key!r}")
+            head = parsed[same] = _parse_tensor(rec, s.format, f"{where}: tensor {key!r}")
         heads[key] = head
-    tensors = lazy_tensors(heads, attempt, _tables(doc, where),
+    tensors = lazy_tensors(heads, s.attempt, _tables(doc, where),
                            {int(name[5:]): pack_room(files) for name, files in packs.items()}, read, where)
-    created = _field(doc, "created", (int, float), where)
-    if not math.isfinite(created):
-        raise ManifestError(f"{where}: field 'created' has a bad value {created!r}")
     m = Manifest(
-        step=_count(doc, "step", where),
-        kind=kind,
-        attempt=attempt,
-        parent=_optional_count(doc, "parent", where),
-        parent_attempt=_field(doc, "parent_attempt", (str, type(None)), where),
-        base=_count(doc, "base", where),
-        chain_length=_count(doc, "chain_length", where),
-        world_size=_count(doc, "world_size", where),
-        created=float(created),
+        step=s.step,
+        kind=s.kind,
+        attempt=s.attempt,
+        parent=s.parent,
+        parent_attempt=s.parent_attempt,
+        base=s.base,
+        chain_length=s.chain_length,
+        world_size=s.world_size,
+        created=s.created,
         policy=_field(doc, "policy", dict, where),
         tree=_field(doc, "tree", dict, where),
         tensors=tensors,
         packs=packs,
-        bytes_written=_count(doc, "bytes_written", where),
-        state_bytes=_count(doc, "state_bytes", where),
-        compacts=_field(doc, "compacts", (str, type(None)), where),
-        quantize=_field(doc, "quantize", (dict, type(None)), where) if fmt == LOSSY_FORMAT else None,
-        format=fmt,
+        bytes_written=s.bytes_written,
+        state_bytes=s.state_bytes,
+        compacts=s.compacts,
+        quantize=_field(doc, "quantize", (dict, type(None)), where) if s.format == LOSSY_FORMAT else None,
+        format=s.format,
     )
-    if fmt == LOSSY_FORMAT:
-        if _field(doc, "lossy", bool, where) != m.lossy:
+    if s.format == LOSSY_FORMAT:
+        if s.lossy != m.lossy:
             raise ManifestError(f"{where}: field 'lossy' disagrees with the tensors' records")
         _check_quantize(m.quantize, m.tensors, where)
-    if m.compacts is not None and m.kind != "base":
-        raise ManifestError(f"{where}: only a base can stand in for a step ('compacts')")
     check_tree(m.tree, m.tensors, f"{where}: field 'tree'", 0)
-    if (m.kind == "base") != (m.parent is None) or (m.kind == "base") != (m.base == m.step):
-        raise ManifestError(f"{where}: kind {m.kind!r} disagrees with parent {m.parent} / base {m.base}")
-    if m.parent is not None and not m.base <= m.parent < m.step:
-        raise ManifestError(f"{where}: parent {m.parent} must lie in [base {m.base}, step {m.step})")
     return m
 
 
