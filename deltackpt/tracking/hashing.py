@@ -21,12 +21,16 @@ from .. import kernels  # installed from kernels/, see pyproject
 from ..io.threads import idle_cores, run_ahead, run_shared
 
 PIECE_BYTES = 1 << 20
-"""A split hash's piece: inputs of at least two are split into pieces of about this many bytes,
-which the calling thread and the I/O threads take one at a time as each is free (see
-:func:`~deltackpt.io.threads.run_shared`). A piece is ~0.1-0.2 ms of hashing (the call costs
-~20 us): an idle core takes a share of an input of a few MiB, and a core that becomes busy
-elsewhere meanwhile holds back the calling thread by one piece at most. Pieces of the input over
-the threads, 4 MiB at least, left 6.4 MB tables to one thread."""
+"""The least bytes a split hash gives a job: inputs of at least two are split (a piece is ~0.1-0.2
+ms of hashing, the call ~20 us), so an idle core takes a share of a table of a few MiB, and a core
+that becomes busy elsewhere meanwhile holds back the calling thread by one piece at most."""
+
+MAX_PIECE_BYTES = 16 << 20
+"""The most bytes of a job of a split hash."""
+
+JOBS_PER_THREAD = 8
+"""Jobs a split hash aims at for each thread: a 512 MiB table in 1 MiB pieces took 66-72 ms on
+two threads, in 8 MiB pieces 61 ms (numba's own parallel loop: 51-60 ms)."""
 
 
 class Hasher:
@@ -67,7 +71,11 @@ class Hasher:
         wakes the I/O threads once, not once a table (each wake-up cost ~0.3 ms of a 1 ms hash)."""
         out: list[torch.Tensor] = []
         jobs: list[Callable[[], object]] = []
-        helpers = self._helpers() if any(self._large(t) for t, _ in inputs) else 0
+        large = sum(t.numel() * t.element_size() for t, _ in inputs if self._large(t))
+        helpers = self._helpers() if large else 0
+        # About JOBS_PER_THREAD jobs a thread, none under PIECE_BYTES: a job costs two hand-offs
+        # of the GIL (~20 us each), and the last one keeps one thread while the others are done.
+        piece = min(MAX_PIECE_BYTES, max(PIECE_BYTES, large // (JOBS_PER_THREAD * (helpers + 1))))
         for t, chunk_bytes in inputs:
             if not helpers or not self._large(t):
                 out.append((kernels.hash_rows(t, threads=1) if chunk_bytes is None
@@ -79,7 +87,7 @@ class Hasher:
             else:
                 unit, count = chunk_bytes, -(-t.numel() * t.element_size() // chunk_bytes)
             out.append(torch.empty(count, dtype=torch.int64))
-            jobs += _pieces(t, unit, out[-1])
+            jobs += _pieces(t, unit, out[-1], piece)
         if jobs:
             assert self._executor is not None  # helpers are its threads
             run_shared(self._executor, jobs, helpers)
@@ -97,12 +105,12 @@ class Hasher:
         return max(0, self._threads - 1 if idle is None else min(self._threads - 1, idle))
 
 
-def _pieces(t: torch.Tensor, unit: int, out: torch.Tensor) -> list[Callable[[], object]]:
+def _pieces(t: torch.Tensor, unit: int, out: torch.Tensor, piece: int) -> list[Callable[[], object]]:
     """Jobs that hash ``t``'s bytes in units of ``unit`` bytes (rows or chunks; the last may be
-    short) into ``out``, about ``PIECE_BYTES`` a job, each one compiled call on arrays sliced here
+    short) into ``out``, about ``piece`` bytes a job, each one compiled call on arrays sliced here
     (a job runs no tensor operation, which would keep the thread waiting for the GIL)."""
     b, o = kernels.reference.flat_bytes(t), out.numpy().view(np.uint64)
-    step = max(1, PIECE_BYTES // unit)  # units a job
+    step = max(1, piece // unit)  # units a job
     return [partial(kernels.reference.hash_bytes, b[lo * unit : (lo + step) * unit], unit, o[lo : lo + step])
             for lo in range(0, o.shape[0], step)]
 
