@@ -44,7 +44,7 @@ from .. import kernels  # installed from kernels/, see pyproject
 from ..format.encodings import dense_chunk_elems
 from .hashing import Hasher
 from .marks import TableMode, TrackedTable, draw_rows
-from .references import NO_IDS, SMALL_TENSOR_BYTES, Joined, Reference, TensorChange, is_row_sparse
+from .references import NO_IDS, SMALL_TENSOR_BYTES, Joined, Reference, TensorChange, is_row_sparse, joined_piece
 from .rows import RowTracker, TrackedGroup
 
 log = logging.getLogger(__name__)
@@ -87,17 +87,12 @@ class ChangeTracker:
     def hash(self, t: torch.Tensor, by_rows: bool) -> torch.Tensor:
         """Every row's (``by_rows``; a 1-d tensor's rows are its elements) or chunk's hash of
         ``t``, on the CPU."""
-        return self.hasher.many([self._hash_input(t, by_rows)])[0]
+        return self._hash_all([(t, by_rows)])[0]
 
-    def _hash_all(self, tensors: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """:meth:`hash` of each ``(key, tensor)``, by rows or chunks as :meth:`by_rows` says, in
-        one run of the hasher (see :meth:`Hasher.many`)."""
-        return self.hasher.many([self._hash_input(t, self.by_rows(k, t)) for k, t in tensors])
-
-    def _hash_input(self, t: torch.Tensor, by_rows: bool) -> tuple[torch.Tensor, int | None]:
-        if by_rows:
-            return (t if t.dim() >= 2 else t.view(-1, 1)), None
-        return t, self.chunk_elems(t) * t.element_size()
+    def _hash_all(self, tensors: list[tuple[torch.Tensor, bool]]) -> list[torch.Tensor]:
+        """:meth:`hash` of each ``(tensor, by_rows)``, in one run of the hasher (see :meth:`Hasher.many`)."""
+        return self.hasher.many([((t if t.dim() >= 2 else t.view(-1, 1)), None) if by_rows
+                                 else (t, self.chunk_elems(t) * t.element_size()) for t, by_rows in tensors])
 
     def by_rows(self, key: str, t: torch.Tensor) -> bool:
         """Whether ``t``'s changes are rows (else dense chunks): it has two dimensions or more,
@@ -184,8 +179,8 @@ class ChangeTracker:
             joined = Joined(list(pieces), list(pieces.values()), np.cumsum(sizes),
                              kernels.hash_segments(small, list(pieces.values())))
             found = dict(zip(pieces, joined.hashes.split(sizes)))
-        rest = [(k, t) for k, t in tensors.items() if k not in found]
-        found.update(zip((k for k, _ in rest), self._hash_all(rest)))
+        rest = [k for k in tensors if k not in found]
+        found.update(zip(rest, self._hash_all([(tensors[k], self.by_rows(k, tensors[k])) for k in rest])))
         return {k: found[k] for k in tensors}, joined
 
     def row_hashed(self, tensors: Mapping[str, torch.Tensor]) -> set[str]:
@@ -225,15 +220,8 @@ class ChangeTracker:
     # -- internals ------------------------------------------------------------------------------
 
     def _piece(self, t: torch.Tensor, by_rows: bool) -> int:
-        """The bytes of ``t``'s rows (``by_rows``) or of its chunks if it is small enough to be
-        hashed with others (see :meth:`hash_many`), else 0."""
-        n = t.nbytes
-        if not n or n > SMALL_TENSOR_BYTES or not t.is_cpu or not t.is_contiguous():
-            return 0
-        if by_rows:
-            return n // t.shape[0]
-        chunk = self.chunk_elems(t) * t.element_size()
-        return n if n <= chunk else chunk if not n % chunk else 0
+        """:func:`~deltackpt.tracking.references.joined_piece` of ``t`` hashed by rows or chunks."""
+        return joined_piece(t, None if by_rows else self.chunk_elems(t) * t.element_size())
 
     def _scan_all(self, tensors: dict[str, torch.Tensor]) -> dict[str, TensorChange]:
         """:meth:`_scan_hashes` of every tensor: the small ones hashed in one call
@@ -246,7 +234,7 @@ class ChangeTracker:
         pieces: list[int] = []
         small: list[torch.Tensor] = []
         refs: list[Reference] = []
-        large: dict[str, torch.Tensor] = {}
+        large = {}
         for key, t in tensors.items():
             by_rows = t.dim() >= 2 or key in self._aligned
             ref = self._refs.get(key)
@@ -301,15 +289,11 @@ class ChangeTracker:
 
     def _scan_hashes(self, tensors: dict[str, torch.Tensor]) -> dict[str, TensorChange]:
         """The change sets of ``tensors`` from their hashes, all hashed in one run of the hasher."""
-        out, hashed = {}, []
-        for key, t in tensors.items():
-            ref = self._refs.get(key)
-            if ref is None or not ref.matches(t, self.by_rows(key, t)):
-                out[key] = TensorChange(None, None, aligned=self._aligned_1d(key, t))
-            else:
-                hashed.append((key, t, ref))
-        for (key, t, ref), h in zip(hashed, self._hash_all([(k, t) for k, t, _ in hashed])):
-            out[key] = TensorChange((h != ref.hashes).nonzero().flatten(), h, aligned=self._aligned_1d(key, t))
+        out = {k: TensorChange(None, None, aligned=self._aligned_1d(k, t)) for k, t in tensors.items()
+               if k not in self._refs or not self._refs[k].matches(t, self.by_rows(k, t))}
+        hashed = [(k, t, self.by_rows(k, t)) for k, t in tensors.items() if k not in out]
+        for (key, t, _), h in zip(hashed, self._hash_all([(t, by_rows) for _, t, by_rows in hashed])):
+            out[key] = TensorChange((h != self._refs[key].hashes).nonzero().flatten(), h, aligned=self._aligned_1d(key, t))
         return {k: out[k] for k in tensors}
 
     def _scan_group(

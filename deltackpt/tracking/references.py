@@ -19,6 +19,18 @@ def is_row_sparse(t: torch.Tensor) -> bool:
     return t.dim() >= 2
 
 
+def joined_piece(t: torch.Tensor, chunk_bytes: int | None) -> int:
+    """The bytes of ``t``'s rows (``chunk_bytes`` None) or of its chunks if it is small enough to
+    be hashed with others (see :meth:`~deltackpt.tracking.changes.ChangeTracker.hash_many`),
+    else 0."""
+    n = t.nbytes
+    if not n or n > SMALL_TENSOR_BYTES or not t.is_cpu or not t.is_contiguous():
+        return 0
+    if chunk_bytes is None:
+        return n // t.shape[0]
+    return n if n <= chunk_bytes else chunk_bytes if not n % chunk_bytes else 0
+
+
 @dataclass(frozen=True)
 class TensorChange:
     """What changed in one tensor.
