@@ -34,6 +34,10 @@ def _nothing() -> None:
     pass
 
 
+class _Dropped(Exception):
+    """A file of an abandoned writer, not written."""
+
+
 def wait_all(futures: list[Future[None]]) -> BaseException | None:
     """Waits for every one of ``futures`` not cancelled; returns the first error."""
     error = None
@@ -55,15 +59,21 @@ class FileWrites:
         executor: the I/O threads.
         gate: every file waits for it before it is written, and fails with its error (see
             :class:`~deltackpt.io.writer.StepWriter`); the checks do not wait.
+        hold: the queued files wait for :meth:`start` (a non-blocking save's, until the saving
+            thread has staged them all: their writes and hashes would take the cores and the
+            memory bandwidth from its copies).
     """
 
-    def __init__(self, storage: Storage, executor: Executor, gate: Future[None] | None = None):
+    def __init__(self, storage: Storage, executor: Executor, gate: Future[None] | None = None,
+                 *, hold: bool = False):
         self._storage = storage
         self._gate = gate
         self._executor = executor
         self._lock = threading.Lock()
         self._queues: tuple[deque[Callable[[], None]], ...] = (deque(), deque(), deque())
         self._writing = 0  # large files whose bytes are being written
+        self._held = 0 if hold else None  # jobs queued while held, no I/O thread asked yet
+        self._dropped = False  # abandoned: the queued files are not written
         self._asks: list[Future[None]] = []  # a job of the I/O threads for each one queued
         self._futures: list[Future[None]] = []  # the files written at once
         self.written: list[str] = []  # every file written, for the directory syncs
@@ -140,6 +150,8 @@ class FileWrites:
 
         def check() -> None:
             try:
+                if self._dropped:
+                    return
                 before()
                 h = xxhash.xxh3_64()
                 size = 0
@@ -153,9 +165,32 @@ class FileWrites:
         self._queue(_DISK, write)
         self._queue(_HASH, check)
 
+    def start(self) -> None:
+        """Asks the I/O threads for the jobs queued while held; queues the next at once."""
+        held, self._held = self._held, None
+        for _ in range(held or 0):
+            self._asks.append(self._executor.submit(self._next))
+
+    @property
+    def holding(self) -> bool:
+        return self._held is not None
+
+    def drop(self) -> None:
+        """After a failure: the files queued and not started are not written (their buffers go
+        back); waits for the others."""
+        self._dropped = True
+        self._held = None
+        while any(self._queues):
+            try:
+                self._next()
+            except BaseException:  # noqa: BLE001 - dropped: the failure that led here is the one reported
+                pass
+        self.wait()
+
     def finish(self) -> BaseException | None:
         """Runs every queued job no I/O thread has started, then waits for every write; returns
         the first error."""
+        self.start()
         error = None
         while any(self._queues):
             try:
@@ -173,12 +208,17 @@ class FileWrites:
         return wait_all(self._futures) or error
 
     def _pass_gate(self) -> None:
+        if self._dropped:
+            raise _Dropped
         if self._gate is not None:
             self._gate.result()
 
     def _queue(self, queue: int, job: Callable[[], None]) -> None:
         self._queues[queue].append(job)
-        self._asks.append(self._executor.submit(self._next))
+        if self._held is not None:
+            self._held += 1
+        else:
+            self._asks.append(self._executor.submit(self._next))
 
     def _next(self) -> None:
         """Runs the next queued job, in the order the module's docstring gives."""

@@ -71,6 +71,13 @@ class StagingPool:
             self._free.put(pooled)
         self._slots.release()
 
+    def touched_bytes(self) -> int:
+        """The bytes of the buffers the pool holds or may take from the reserve, every page of
+        which has been touched (a buffer a save or :meth:`warm` made stays touched)."""
+        with self._lock:
+            held = len(self._buffers)
+        return min(self.buffers, held + _RESERVE.count(self.nbytes, self._pin)) * self.nbytes
+
     def warm(self, buffers: int) -> None:
         """Makes up to ``buffers`` of the pool's buffers (never more than it may hold) exist with
         every page touched, so that the copies into them fault no page; from any thread."""
@@ -133,6 +140,10 @@ class _Reserve:
         with self._lock:
             kept = self._free.get((nbytes, pin))
             return kept.pop() if kept else None
+
+    def count(self, nbytes: int, pin: bool) -> int:
+        with self._lock:
+            return len(self._free.get((nbytes, pin), ()))
 
     def give(self, nbytes: int, pin: bool, buffers: list[torch.Tensor], keep: int) -> None:
         """Keeps ``buffers``, up to ``keep`` buffers of their kind in all."""

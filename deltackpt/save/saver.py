@@ -25,7 +25,7 @@ from ..format.layout import STEPS
 from ..format.record_io import table_key
 from ..format.manifest import Manifest
 from ..io.staging import StagingPool
-from ..io.threads import started_pool
+from ..io.threads import run_ahead, started_pool
 from ..io.writer import StepWriter
 from ..ops import lease
 from ..policy import BasePolicy, ChainState
@@ -147,6 +147,12 @@ class Saver:
                     w.abandon()
                 raise
             staging = partial(dict, staged)
+            if save.kind == Kind.BASE:
+                # So that the next base stages into touched buffers alone, its writes held until
+                # then (see StepWriter's hold: and two buffers left): touched once, beside this
+                # one's writes.
+                chunks = -(-sum(t.nbytes for t in tensors.values()) // self._pool.nbytes)
+                run_ahead(partial(self._pool.warm, chunks + 2))
         assert self._assignment is not None  # _write_items set it
         table = partial(part_table, save, self._coll.rank, items, self._index, self._shapes, held,
                         sizes=self._sizes, aligned={s.key for s in mine if s.aligned})

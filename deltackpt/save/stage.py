@@ -115,10 +115,10 @@ def open_writer(storage: Storage, save: SavePlan, rank: int, pool: StagingPool,
                 executor: Executor, packer: Executor | None = None, *, blocking: bool = True,
                 gate: Future[None] | None = None) -> StepWriter:
     """The writer of ``rank``'s chunks of the step, with its pack (appended by ``packer``, and
-    without ``blocking`` its small chunks by the background; its files written once ``gate``
-    is done, see :class:`~deltackpt.io.writer.StepWriter`)."""
+    without ``blocking`` its small chunks by the background, its files held until staging ends;
+    its files written once ``gate`` is done, see :class:`~deltackpt.io.writer.StepWriter`)."""
     return StepWriter(storage, f"{STEPS}/{save.attempt}", pool, executor, pack=pack_name(rank),
-                      packer=packer, defer=not blocking, gate=gate)
+                      packer=packer, defer=not blocking, gate=gate, hold=not blocking)
 
 
 def stage(writers: list[StepWriter], save: SavePlan, items: tuple[WriteItem, ...],

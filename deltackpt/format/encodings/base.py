@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
+import numpy as np
 import torch
 
 from ...errors import ManifestError, StateError
@@ -108,6 +109,10 @@ class ChunkSink(Protocol):
     def gather(self, flat: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copies rows ``ids`` of ``flat`` (on the CPU) into ``out``, on the writer's threads
         and this one."""
+
+    def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """Copies the bytes ``src`` into ``dst`` (a staging buffer's), on this thread or shared
+        with the writer's idle threads."""
 
     def note_bound(self, key: str, bound: float) -> None:
         """Records the largest error bound of the quantized rows written for ``key``."""

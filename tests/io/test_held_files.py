@@ -1,0 +1,132 @@
+"""A non-blocking save's writer (``hold``) writes a base's chunk files only once the caller has
+staged every chunk, its copies shared with the idle cores' I/O threads meanwhile; while its
+held files would leave fewer than two touched staging buffers, it writes them as they come."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from deltackpt import Checkpointer, EveryK, MemoryStorage
+from deltackpt.format.encodings import FULL
+from deltackpt.io import writer
+from deltackpt.io.staging import StagingPool
+from deltackpt.io.threads import run_ahead
+from deltackpt.io.writer import StepWriter
+
+ROWS, COLS = 64, 256  # 64 KiB of float32 a tensor: 4 chunks of 16 KiB
+
+
+class CountingStorage(MemoryStorage):
+    """Counts the chunk files written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chunks = 0
+
+    def write(self, key, parts):
+        super().write(key, parts)
+        self.chunks += "/c." in key
+
+
+def stage(w: StepWriter, tables: list[torch.Tensor]) -> None:
+    cs = FULL.chunk_shape((ROWS, COLS), 4, ROWS, (16 << 10, 16 << 10), None)
+    for i, t in enumerate(tables):
+        FULL.encode(w, f"t{i}", "", t, None, cs)
+
+
+def touched_pool(buffers: int) -> StagingPool:
+    pool = StagingPool(buffers, 16 << 10)
+    pool.warm(buffers)
+    return pool
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_held_files_are_written_once_staged(hold):
+    tables = [torch.randn(ROWS, COLS) + i for i in range(2)]
+    want = [t.clone() for t in tables]
+    storage, pool = CountingStorage(), touched_pool(16)
+    with ThreadPoolExecutor(2) as ex:
+        w = StepWriter(storage, "steps/1-a", pool, ex, hold=hold)
+        stage(w, tables)
+        ex.submit(lambda: None).result()  # the I/O threads have run what they were given
+        before = storage.chunks
+        w.staged()
+        for t in tables:
+            t.fill_(-1.0)  # training goes on: the staged copies are written
+        files = w.finish()
+    assert (before == 0) == hold and storage.chunks == 8
+    for i, t in enumerate(want):
+        got = b"".join(storage.read(f"steps/1-a/t{i}/c.{c}.0") for c in range(4))
+        assert got == t.numpy().tobytes()
+        assert sorted(files[(f"t{i}", "")]) == [f"c.{c}.0" for c in range(4)]
+    assert all(pool._slots.acquire(timeout=5) for _ in range(16))  # every buffer came back
+
+
+def test_held_files_are_written_as_they_come_once_two_touched_buffers_are_left():
+    storage, pool = CountingStorage(), touched_pool(5)  # room for 3 held files
+    with ThreadPoolExecutor(2) as ex:
+        w = StepWriter(storage, "steps/1-a", pool, ex, hold=True)
+        stage(w, [torch.randn(ROWS, COLS) for _ in range(2)])  # 8 chunks, more than 5 buffers
+        w.finish()
+    assert storage.chunks == 8
+
+
+def test_fresh_buffers_hold_nothing():
+    """Copies into fresh memory are slow enough that the writes start beside them."""
+    storage, pool = CountingStorage(), StagingPool(16, 16 << 10)
+    with ThreadPoolExecutor(2) as ex:
+        w = StepWriter(storage, "steps/1-a", pool, ex, hold=True)
+        stage(w, [torch.randn(ROWS, COLS)])
+        assert w.finish() and storage.chunks == 4
+
+
+def test_an_abandoned_writer_drops_its_held_files():
+    storage, pool = CountingStorage(), touched_pool(16)
+    with ThreadPoolExecutor(2) as ex:
+        w = StepWriter(storage, "steps/1-a", pool, ex, hold=True)
+        stage(w, [torch.randn(ROWS, COLS)])
+        w.abandon()
+    assert storage.chunks == 0
+    assert all(pool._slots.acquire(timeout=5) for _ in range(16))
+
+
+def test_held_copies_are_shared_with_an_idle_core(monkeypatch):
+    monkeypatch.setattr(writer, "COPY_PIECE_BYTES", 4 << 10)
+    monkeypatch.setattr(writer, "idle_cores", lambda: 1)
+    shared = []
+    real = writer.run_shared
+
+    def counted(executor, jobs, helpers=None):
+        shared.append((len(jobs), helpers))
+        return real(executor, jobs, helpers)
+
+    monkeypatch.setattr(writer, "run_shared", counted)
+    t = torch.randn(ROWS, COLS)
+    storage, pool = CountingStorage(), touched_pool(16)
+    with ThreadPoolExecutor(2) as ex:
+        w = StepWriter(storage, "steps/1-a", pool, ex, hold=True)
+        stage(w, [t])
+        w.staged()
+        w.finish()
+    assert shared == [(8, 1)] * 4  # each 16 KiB chunk in 8 jobs, one helper
+    got = b"".join(storage.read(f"steps/1-a/t0/c.{c}.0") for c in range(4))
+    assert got == t.numpy().tobytes()
+
+
+def test_a_background_base_into_touched_buffers_writes_after_the_call():
+    storage = CountingStorage()
+    t = torch.randn(1 << 14, 64)  # 4 MiB: 4 chunks of 1 MiB
+    with Checkpointer(storage, policy=EveryK(1), chunk_bytes=1 << 20, memory_budget=16 << 20) as ckpt:
+        ckpt.save(0, {"t": t}, blocking=False).result()
+        warmed = threading.Event()
+        run_ahead(warmed.set)  # after the buffers the first base asked to be touched
+        assert warmed.wait(30)
+        files = storage.chunks
+        handle = ckpt.save(1, {"t": t * 2}, blocking=False)
+        assert storage.chunks == files  # no chunk written before staging returned
+        assert handle.result().kind == "base" and storage.chunks == files + 4
+        assert torch.equal(ckpt.load(1)["t"], t * 2)
