@@ -59,7 +59,7 @@ from deltackpt.format.record_checks import parse_manifest
 from deltackpt.format.record_io import TableReader, checksum
 from deltackpt.format.zarr_meta import array_doc
 from deltackpt.policy import BasePolicy, ChainState, EveryK
-from deltackpt.save.commit import part_table, record_root
+from deltackpt.save.commit import Reuse, part_table, record_root
 from deltackpt.save.decide import aligned_keys, counts, decide
 from deltackpt.save.local import plan_local, write_items
 from deltackpt.save.planner import Assignment, GlobalPlan, GlobalPlanner, LocalPlan, PartPlan, PlanRequest
@@ -380,6 +380,8 @@ def simulate(world: int, state_of: StateOf, *, changed: Changed, sizes: tuple[in
     assigned: dict[int, Assignment] = {}
     sent_plans: dict[int, LocalPlan] = {}  # each rank's local plan, as it made it
     mine: dict[int, tuple[tuple[tuple[str, PartPlan], ...], tuple[int, ...]]] = {}  # its parts, their places
+    reuses: dict[int, Reuse] = {}  # what the records of each rank run in full share from save to save
+    coordinator_reuse = Reuse()
     for step in (1, 2):
         # plan_local, on every rank: the local plan, or its digest alone when unchanged.
         def request(r: int) -> PlanRequest:
@@ -432,8 +434,11 @@ def simulate(world: int, state_of: StateOf, *, changed: Changed, sizes: tuple[in
             held = counts(save.kind, ((i.key, i.part) for i in items), scans)
             result = written(save, r, items, held, sizes)
             shapes = {it.key: plan.tensors[it.key].global_shape for it in items}
+            # A rank run in full keeps what its saves share, as its checkpointer does (the
+            # others' would hold every part of the job).
+            reuse = reuses.setdefault(r, Reuse()) if r in ranks.full else None
             (data, sent), s = _timed(lambda: part_table(save, r, items, mine[r][1], shapes, held, result,
-                                                         sizes, {s.key for s in scans if s.aligned}))
+                                                         sizes, {s.key for s in scans if s.aligned}, reuse))
             if data is not None:
                 tables[r] = data
             return sent, s  # the table alone: the writes are made up
@@ -442,7 +447,7 @@ def simulate(world: int, state_of: StateOf, *, changed: Changed, sizes: tuple[in
         root, s = _timed(lambda: record_root(
             save, plan, sent, head=head, world_size=world,
             policy={"name": policy.name, "decision": str(save.kind), "reason": save.reason},
-            aligned=aligned_keys(summaries)))
+            aligned=aligned_keys(summaries), reuse=coordinator_reuse))
         table_bytes = sum(len(t) for t in tables.values())
         run.add(Phase(f"{step}: record_root", "coordinator", s, 0.0, len(root)))
         record = parse_manifest(root, commit_key(step), _reader(tables))

@@ -46,21 +46,35 @@ from .stage import described
 from .types import Kind, SavePlan, WriteItem, WriteResult, Written
 
 
+@dataclass
+class Reuse:
+    """What one checkpointer's records share from save to save, made once and kept (saves of
+    20,000 tiny tensors made them anew each time): a rank's table entries of the parts a delta
+    leaves unchanged, and the coordinator's plan's encoded pieces (see :class:`_PlanPieces`).
+    Each checkpointer keeps its own, so two saving in turn keep theirs."""
+
+    # The entries of a rank's unchanged delta parts under its last assignment (by the tensors'
+    # indexes in the root, which the assignment keeps from save to save): the same at every delta.
+    unchanged: tuple[tuple[Any, ...], list[tuple[int, TensorRecord, PartRecord] | None]] | None = None
+    plan: _PlanPieces | None = None  # the coordinator's plan stays the same from save to save
+
+
 @paused()
 def part_table(save: SavePlan, rank: int, items: Sequence[WriteItem], index: Sequence[int],
                shapes: Mapping[str, tuple[int, ...]], held: Mapping[tuple[str, str], int],
-               result: WriteResult, sizes: tuple[int, int], aligned: Collection[str] = ()
-               ) -> tuple[bytes | None, Written]:
+               result: WriteResult, sizes: tuple[int, int], aligned: Collection[str] = (),
+               reuse: Reuse | None = None) -> tuple[bytes | None, Written]:
     """A writing rank's part table and what it tells the coordinator: each part of ``items`` (the
     parts it writes, each tensor's place in the root ``index`` and its global shape in
     ``shapes``), holding ``held`` rows or chunks, with the chunks ``result`` lists and the zarr
     metadata the coordinator wrote for it (see :func:`~deltackpt.save.stage.describe`). The table
     is None for a rank that writes no part. ``aligned``: this rank's 1-d tensors whose changes
-    are rows (see :class:`~deltackpt.save.scan.PartScan`)."""
+    are rows (see :class:`~deltackpt.save.scan.PartScan`). ``reuse``: what the rank's last
+    saves left to be kept (None: every entry made afresh)."""
     entries = []
     files = 0
     rows = 0
-    unchanged = _unchanged_parts(save, rank, index, sizes, aligned)
+    unchanged = None if reuse is None else _unchanged_parts(save, rank, index, sizes, aligned, reuse)
     # What a part's entry is made of but its place and chunks, by what that depends on (without a
     # quantization rule): thousands of small tensors come in a few dtypes and shapes.
     made: dict[tuple[Any, ...], tuple[TensorRecord, tuple[int, ...], tuple[int, str] | None, bool]] = {}
@@ -106,36 +120,32 @@ def part_table(save: SavePlan, rank: int, items: Sequence[WriteItem], index: Seq
                           rows, dict(result.bounds))
 
 
-# The entries of a rank's unchanged delta parts under its last assignment (by the tensors'
-# indexes in the root, which the assignment keeps from save to save): the same at every delta.
-_last_unchanged: tuple[tuple[Any, ...], list[tuple[int, TensorRecord, PartRecord] | None]] | None = None
-
-
 def _unchanged_parts(save: SavePlan, rank: int, index: Sequence[int], sizes: tuple[int, int],
-                     aligned: Collection[str]) -> list[tuple[int, TensorRecord, PartRecord] | None] | None:
+                     aligned: Collection[str], reuse: Reuse
+                     ) -> list[tuple[int, TensorRecord, PartRecord] | None] | None:
     """The table entries of the parts of a delta's ``index`` made so far for a part that holds
     nothing (by position; None where none was made yet), or None for a save whose entries are
     not kept (a base, a quantized delta)."""
-    global _last_unchanged
     if save.kind != Kind.DELTA or save.quantize:
         return None
     at = (index, rank, sizes, frozenset(aligned))
-    last = _last_unchanged
+    last = reuse.unchanged
     if last is None or last[0][0] is not index or last[0][1:] != at[1:]:
-        last = _last_unchanged = at, [None] * len(index)
+        last = reuse.unchanged = at, [None] * len(index)
     return last[1]
 
 
 @paused()
 def record_root(save: SavePlan, plan: GlobalPlan, written: Sequence[Written], *, head: Manifest | None,
                 world_size: int, policy: dict[str, Any], restores: int | None = None,
-                aligned: Collection[str] = ()) -> bytes:
+                aligned: Collection[str] = (), reuse: Reuse | None = None) -> bytes:
     """The root record of a save: every tensor of ``plan`` (its parts are in the tables of the
     ranks that wrote them, which ``written`` lists by rank), each lossy tensor's scheme and
     bounds, and with ``restores`` (the checkpointer has ``quantize=``) the quantization
-    decisions, in a format-5 record. ``aligned``: the 1-d tensors whose changes are rows."""
+    decisions, in a format-5 record. ``aligned``: the 1-d tensors whose changes are rows.
+    ``reuse``: what the coordinator's last saves left to be kept (None: all made afresh)."""
     return _root(save, plan, written, head=head, world_size=world_size, policy=policy, restores=restores,
-                 aligned=aligned).encode()
+                 aligned=aligned, reuse=reuse).encode()
 
 
 @dataclass(frozen=True)
@@ -166,7 +176,8 @@ class _Root:
 
 @paused()
 def _root(save: SavePlan, plan: GlobalPlan, written: Sequence[Written], *, head: Manifest | None,
-          world_size: int, policy: dict[str, Any], restores: int | None, aligned: Collection[str]) -> _Root:
+          world_size: int, policy: dict[str, Any], restores: int | None, aligned: Collection[str],
+          reuse: Reuse | None) -> _Root:
     """See :func:`record_root`."""
     step, kind, attempt = save.step, save.kind, save.attempt
     packs: dict[str, ChunkMap] = {}
@@ -178,7 +189,7 @@ def _root(save: SavePlan, plan: GlobalPlan, written: Sequence[Written], *, head:
         packs.update(w.packs)
         for key, bound in w.bounds.items():
             bounds[key] = max(bounds.get(key, 0.0), bound)
-    pieces = _plan_pieces(plan)
+    pieces = _plan_pieces(plan, Reuse() if reuse is None else reuse)
     encoded = {"tree": pieces.tree}
     tensors: dict[str, TensorRecord] = {}
     heads = None
@@ -238,9 +249,6 @@ class _PlanPieces:
     entries: dict[tuple[Kind, frozenset[str]], tuple[str, dict[str, TensorHead]]] = field(default_factory=dict)
 
 
-_last_plan: _PlanPieces | None = None  # the coordinator's plan stays the same from save to save
-
-
 def _heads(tensors: Mapping[str, TensorRecord], held: Mapping[str, tuple[int, list[int], PartLayout | None]]
            ) -> dict[str, TensorHead]:
     """The lossless ``tensors``' fields as a reader parses them from the root (see
@@ -252,11 +260,10 @@ def _heads(tensors: Mapping[str, TensorRecord], held: Mapping[str, tuple[int, li
     return out
 
 
-def _plan_pieces(plan: GlobalPlan) -> _PlanPieces:
-    global _last_plan
-    pieces = _last_plan
+def _plan_pieces(plan: GlobalPlan, reuse: Reuse) -> _PlanPieces:
+    pieces = reuse.plan
     if pieces is None or pieces.plan is not plan:
-        pieces = _last_plan = _PlanPieces(plan, json.dumps(plan.tree, separators=(",", ":"), allow_nan=False),
+        pieces = reuse.plan = _PlanPieces(plan, json.dumps(plan.tree, separators=(",", ":"), allow_nan=False),
                                           sum(tensor_bytes(t) for t in plan.tensors.values()))
     return pieces
 
@@ -273,7 +280,8 @@ def lossy_record(kind: Kind, key: str, head: Manifest | None, rule: Rowwise | No
 
 def commit(store: Store, save: SavePlan, plan: GlobalPlan, written: Sequence[Written], *,
            head: Manifest | None, world_size: int, policy: str, lease: Holding | None,
-           restores: int | None = None, aligned: Collection[str] = ()) -> Manifest | None:
+           restores: int | None = None, aligned: Collection[str] = (), reuse: Reuse | None = None
+           ) -> Manifest | None:
     """Coordinator: the root record of every rank's part table (see :func:`record_root`; each
     rank made its own durable before it answered), created only if absent while ``lease``
     holds, and kept only if ``lease`` still holds and the parent is still there once the record
@@ -287,7 +295,7 @@ def commit(store: Store, save: SavePlan, plan: GlobalPlan, written: Sequence[Wri
     """
     made = _root(save, plan, written, head=head, world_size=world_size,
                  policy={"name": policy, "decision": str(save.kind), "reason": save.reason},
-                 restores=restores, aligned=aligned)
+                 restores=restores, aligned=aligned, reuse=reuse)
     root = made.encode()
     if lease is None:
         raise StepExistsError(f"step {save.step}: the coordinator holds no writer lease")

@@ -32,7 +32,7 @@ from ..policy import BasePolicy, ChainState
 from ..quantization import QuantizePlan
 from ..store import Store
 from ..tracking.changes import ChangeTracker, TensorChange
-from .commit import commit, part_table
+from .commit import Reuse, commit, part_table
 from .decide import aligned_keys, counts, decide
 from .local import plan_local, write_items
 from .planner import Assignment, GlobalPlanner, PartPlan, PlanRequest
@@ -80,6 +80,7 @@ class Saver:
         self._index: tuple[int, ...] = ()  # their tensors' places in the plan
         self._shapes: dict[str, tuple[int, ...]] = {}  # global shapes of its tensors, under that plan
         self._lease = lease.Claim(store.storage, ttl=lease_ttl, take_over=take_over)
+        self._reuse = Reuse()  # what the records of its saves share, kept from save to save
         self._packer = started_pool(1, "deltackpt-pack")  # appends a delta's gathered rows
 
     @paused()  # per-tensor objects by the thousand, no cycles: collections would walk them all
@@ -155,7 +156,7 @@ class Saver:
                 run_ahead(partial(self._pool.warm, chunks + 2))
         assert self._assignment is not None  # _write_items set it
         table = partial(part_table, save, self._coll.rank, items, self._index, self._shapes, held,
-                        sizes=self._sizes, aligned={s.key for s in mine if s.aligned})
+                        sizes=self._sizes, aligned={s.key for s in mine if s.aligned}, reuse=self._reuse)
         record = partial(self._commit, save, aligned)
         return partial(self._write_and_commit, save, table, record, writers, tensors, staging, gate, t0)
 
@@ -231,7 +232,7 @@ class Saver:
         manifest = commit(
             self.store, save, self._planner.plan, written, head=self._head, world_size=self._coll.size,
             policy=self.policy.name, lease=self._lease.holding, restores=self._quantize.recorded_restores,
-            aligned=aligned)
+            aligned=aligned, reuse=self._reuse)
         if manifest is None:
             parent, self._head = self._head, None
             raise BrokenChainError(save.step, parent.step if parent is not None else -1,
