@@ -179,13 +179,15 @@ def _node(obj: Any, path: str, out: _Flattening, depth: int) -> dict[str, Any]:
         if local.is_nested or local.is_meta:
             raise StateError(f"{path}: cannot save a {'nested' if local.is_nested else 'meta'} "
                              "tensor (it holds no plain data)")
-        shard = as_shard(obj, path)
+        if isinstance(obj, torch.Tensor) and type(obj) in _PLAIN:
+            shard = Shard.whole(obj.detach())
+            out.sources[path] = obj
+        else:
+            found = as_shard(obj, path)
+            shard = Shard(found.local.detach(), global_shape=found.global_shape, global_offset=found.global_offset)
         if shard.local.layout != torch.strided:
             raise StateError(f"{path}: only dense (strided) tensors are supported, got {shard.local.layout}")
-        tensors[path] = Shard(shard.local.detach(), global_shape=shard.global_shape,
-                              global_offset=shard.global_offset)
-        if isinstance(obj, torch.Tensor) and type(obj) in _PLAIN:
-            out.sources[path] = obj
+        tensors[path] = shard
         return {"tensor": path}
     if is_stateful(obj) and not isinstance(obj, Mapping):
         return _node(obj.state_dict(), path, out, depth)

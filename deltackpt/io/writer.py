@@ -39,8 +39,12 @@ from .threads import idle_cores, run_shared
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
-    return t.reshape(-1).view(torch.uint8).numpy().data
+    """The bytes of a contiguous CPU tensor, without a copy: through numpy's view where numpy has
+    the dtype (2.6 us a tensor against 3.9 us through torch's views, 20,000 tiny tensors a base)."""
+    try:
+        return t.numpy().data.cast("B")
+    except (TypeError, RuntimeError):  # bfloat16, no elements, or a tensor that requires grad
+        return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 MAX_PIECES = 8  # pieces a large gather is split into, for the I/O threads and the saving one
@@ -252,6 +256,23 @@ class StepWriter:
                      packed=self._pack is not None if packed is None else packed, owned=owned,
                      large=data.nbytes >= HAND_OFF_BYTES,
                      apart=codec is None and data.is_contiguous() and data.nbytes >= APART_BYTES)
+
+    def put_packed(self, chunks: Sequence[tuple[str, str, str, torch.Tensor, int]]) -> None:
+        """Appends each ``(key, path, name, data, pad)`` chunk (a small CPU tensor's bytes, then
+        ``pad`` zero bytes, coded as a zarr array of its dtype would be) to the pack at once, on
+        this thread: a base of 20,000 tiny tensors spent ~30 us a chunk in :meth:`put`'s queueing,
+        twice the copy and checksum."""
+        assert self._pack is not None  # packed chunks come only to a writer with a pack
+        with self._appending:
+            for key, path, name, data, pad in chunks:
+                codec = codec_for(data.dtype)
+                body = as_bytes(data)
+                if codec is not None:
+                    whole = np.concatenate([np.frombuffer(body, np.uint8), np.zeros(pad, np.uint8)])
+                    parts = [memoryview(codec.encode(whole))]
+                else:
+                    parts = [body, self.pool.zeros(pad)] if pad else [body]
+                self.results.setdefault((key, path), {})[name] = self._pack.append(parts)
 
     def run(self, jobs: Sequence[Callable[[], object]]) -> None:
         """Runs ``jobs`` on the I/O threads and this one; raises the first error once all ended

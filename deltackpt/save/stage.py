@@ -131,9 +131,20 @@ def stage(writers: list[StepWriter], save: SavePlan, items: tuple[WriteItem, ...
     ends and every buffer goes back before the error propagates.
 
     A base's packed parts come last: the pack's file keeps an I/O thread until the pack ends, and
-    the files of the large parts, queued before it, must not wait for a thread behind it."""
+    the files of the large parts, queued before it, must not wait for a thread behind it. Those
+    of small CPU tensors go in together, last (thousands of tiny tensors cost one call)."""
+    small: list[WriteItem] = []  # packed parts of small CPU tensors: into the pack in one call
     if save.kind == Kind.BASE:
-        items = tuple(sorted(items, key=lambda it: _packed(it, sizes)))
+        large: list[WriteItem] = []
+        packed: list[WriteItem] = []
+        for it in items:
+            if not _packed(it, sizes):
+                large.append(it)
+            elif _small(it.tensor):
+                small.append(it)
+            else:
+                packed.append(it)
+        items = (*large, *packed)
     try:
         if plan is not None:
             describe(writers[1], save, plan, sizes)
@@ -141,6 +152,9 @@ def stage(writers: list[StepWriter], save: SavePlan, items: tuple[WriteItem, ...
                                      held[(it.key, it.part.path)], sizes,
                                      save.quantize[it.key].rule if it.key in save.quantize else None)
                   for it in items}
+        if small:
+            FULL.encode_packed(writers[0], [(it.key, it.part.path, it.tensor, _chunk_shape(it, sizes)) for it in small])
+            staged.update((it.key, changes[it.key]) for it in small)
         for w in writers:
             w.staged()
         return staged
@@ -152,9 +166,18 @@ def stage(writers: list[StepWriter], save: SavePlan, items: tuple[WriteItem, ...
 
 def _packed(item: WriteItem, sizes: tuple[int, int]) -> bool:
     """Whether a base's part lies in the pack (see :func:`deltackpt.format.encodings.in_pack`)."""
+    return in_pack(item.part.box.shape, item.tensor.element_size(), _chunk_shape(item, sizes))
+
+
+def _chunk_shape(item: WriteItem, sizes: tuple[int, int]) -> tuple[int, ...]:
     shape, itemsize = item.part.box.shape, item.tensor.element_size()
-    rows = shape[0] if shape else 1
-    return in_pack(shape, itemsize, FULL.chunk_shape(shape, itemsize, rows, sizes, None))
+    return FULL.chunk_shape(shape, itemsize, shape[0] if shape else 1, sizes, None)
+
+
+def _small(t: torch.Tensor) -> bool:
+    """Whether a packed part's tensor goes in with the others at once: a CPU tensor of a few
+    elements, whose hashes the change tracker takes with the other small ones'."""
+    return t.is_cpu and t.is_contiguous() and 0 < t.nbytes <= SMALL_TENSOR_BYTES
 
 
 def write(storage: Storage, writers: list[StepWriter],

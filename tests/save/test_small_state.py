@@ -209,3 +209,19 @@ def test_a_delta_part_table_makes_entries_for_its_changed_parts_only(store_path,
                 assert by_kept[-1] <= 2 + (step == 6), step
         assert_same_state(ckpt.load(6), state)
     assert same and all(same)
+
+
+def test_a_base_appends_its_small_tensors_to_the_pack_in_one_call(store_path, monkeypatch):
+    # Thousands of tiny tensors (ints and bfloat16 among them, coded or viewed through torch)
+    # go into the base's pack together, not one queued put each; a large one still has its file.
+    from deltackpt.io.writer import StepWriter
+
+    puts, batches = [], []
+    put, put_packed = StepWriter.put, StepWriter.put_packed
+    monkeypatch.setattr(StepWriter, "put", lambda self, key, *a, **k: puts.append(key) or put(self, key, *a, **k))
+    monkeypatch.setattr(StepWriter, "put_packed", lambda self, chunks: batches.append(len(chunks)) or put_packed(self, chunks))
+    state = tiny_state(300) | {"big": torch.randn(1 << 16, 8), "empty": torch.zeros(0, 3)}
+    with Checkpointer(store_path, policy=EveryK(100)) as ckpt:
+        ckpt.save(1, state)
+        assert batches == [300] and puts == ["big"] * len(puts)
+        assert_same_state(ckpt.load(1), state)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
@@ -105,6 +105,10 @@ class ChunkSink(Protocol):
         returns). With ``hash_into``, the hash of each of ``data``'s rows goes there, on an I/O
         thread (a large file's beside its write, see :mod:`deltackpt.io.files`). ``packed``: into the writer's pack, or a file of its own (None:
         into the pack if the writer has one)."""
+
+    def put_packed(self, chunks: Sequence[tuple[str, str, str, torch.Tensor, int]]) -> None:
+        """Appends each ``(key, path, name, data, pad)`` chunk, ``data`` a contiguous CPU tensor
+        read before this returns, to the writer's pack, coded as :meth:`put` codes it."""
 
     def gather(self, flat: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copies rows ``ids`` of ``flat`` (on the CPU) into ``out``, on the writer's threads

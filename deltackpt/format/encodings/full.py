@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -98,6 +98,19 @@ class Full(Encoding):
                         chunk_shape, first_chunk=i, release=partial(pool.release, buf),
                         hash_into=None if hash_into is None else hash_into[lo:hi], packed=False)
 
+    def encode_packed(self, sink: ChunkSink, parts: Sequence[tuple[str, str, torch.Tensor, tuple[int, ...]]]
+                      ) -> None:
+        """:meth:`encode` of many small parts (:func:`in_pack`; ``(key, path, tensor, chunk
+        shape)``, each tensor contiguous on the CPU with elements) at once: their one chunk
+        each into the pack, with no row hashes (the change tracker hashes small tensors
+        together, see :meth:`~deltackpt.tracking.changes.ChangeTracker.hash_whole`)."""
+        chunks = []
+        for key, path, t, cs in parts:
+            rows = t.shape[0] if t.dim() else 1
+            row_bytes = t.numel() // rows * t.element_size()
+            chunks.append((key, path, chunk_key(0, t.dim()), t, ((cs[0] if cs else 1) - rows) * row_bytes))
+        sink.put_packed(chunks)
+
     def read(self, source: ChunkSource, m: Manifest, key: str, rec: TensorRecord, part: PartRecord,
              inter: Box, dest: torch.Tensor, box: Box, covers: Covers | None,
              hashes: RowHashes | None = None) -> list[Job]:
@@ -156,7 +169,7 @@ class Full(Encoding):
         return dense_rows(source, m, key, part, want, first, dest, sparse=False)
 
 
-FULL = REGISTRY[Full.name]
+FULL = cast(Full, REGISTRY[Full.name])
 
 
 def _hashed(job: Job, hashes: RowHashes, dest: torch.Tensor, rows: slice, whole_rows: bool) -> None:
