@@ -406,7 +406,8 @@ def plots(docs: dict[str, dict[str, Any]], out: str) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_const", const="quick", dest="size",
+    # Both options set "size": each must carry the default, or the first one's (None) wins.
+    p.add_argument("--quick", action="store_const", const="quick", dest="size", default="full",
                    help="the quick sizes (minutes in all)")
     p.add_argument("--size", choices=SIZES, default="full", help="the size to run (default: full)")
     p.add_argument("--only", default="", help="comma-separated bench names to run (default: all)")

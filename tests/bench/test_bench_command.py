@@ -34,6 +34,13 @@ def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     return out
 
 
+def test_the_command_runs_the_full_sizes_unless_told_otherwise():
+    assert bench.parse_args([]).size == "full"
+    assert bench.parse_args(["--quick"]).size == "quick"
+    assert bench.parse_args(["--size", "tiny"]).size == "tiny"
+    assert bench.parse_args([]).timeout == 5400.0 and bench.parse_args(["--quick"]).timeout == 900.0
+
+
 def test_every_bench_script_is_run_by_the_command():
     scripts = {p.stem for p in (ROOT / "bench").glob("bench_*.py")}
     # bench_s3_clients compared S3 client libraries once, to choose one; it measures no deltackpt code.
