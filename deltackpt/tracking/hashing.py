@@ -36,12 +36,13 @@ two threads, in 8 MiB pieces 61 ms (numba's own parallel loop: 51-60 ms)."""
 class Hasher:
     """Row and chunk hashes on at most ``threads`` threads of ``executor``.
 
-    A CPU tensor of at least ``2 * PIECE_BYTES`` bytes is split into pieces of about
-    ``PIECE_BYTES``, hashed into one result by the caller and up to ``threads - 1`` threads of the
-    executor, as many as there are idle cores (:func:`~deltackpt.io.threads.idle_cores`), each
-    taking the next piece none has started. Anything smaller, or any input while no core is
-    idle, is hashed on the calling thread, and a device tensor by its kernels. :meth:`many`
-    hashes several tensors in one such run, so the threads are woken once for them all.
+    A CPU tensor of at least ``2 * PIECE_BYTES`` bytes is split into pieces (about
+    ``JOBS_PER_THREAD`` a thread, of ``PIECE_BYTES`` to ``MAX_PIECE_BYTES``), hashed into one result
+    by the caller and up to ``threads - 1`` threads of the executor, as many as there are idle
+    cores (:func:`~deltackpt.io.threads.idle_cores`), each taking the next piece none has
+    started. Anything smaller, or any input while no core is idle, is hashed on the calling
+    thread, and a device tensor by its kernels. :meth:`many` hashes several tensors in one such
+    run, so the threads are woken once for them all.
 
     Args:
         executor: the save's worker threads; None hashes everything on the calling thread.
