@@ -9,7 +9,8 @@ DCP, ...) alternately in the same process and reports medians of at least 3 roun
   ratio), the data behind the plots, its options, the command, the date, the machine (CPUs,
   memory, load average before and after) and the versions (deltackpt's commit, torch, numpy, ...);
   a bench that failed or was skipped says so with the end of its output;
-* ``RESULTS/summary.md``: the key figures first, then every bench's rows;
+* ``RESULTS/summary.md``: the key figures first, then every bench's rows, of every bench's last
+  results in ``RESULTS`` (a run with ``--only`` adds to those an earlier run left);
 * ``RESULTS/*.png`` (matplotlib, the ``bench`` extra): delta bytes and time against the change
   fraction, restore time against the chain length, base save time against the state size beside
   the disk's write bandwidth.
@@ -39,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -290,17 +292,40 @@ HEADER = ("| bench | figure | median | peer | peer median | ratio | runs |\n"
           "|---|---|---:|---|---:|---:|---|")
 
 
-def summary(docs: list[dict[str, Any]], command: str) -> str:
-    """The markdown of ``summary.md``: the key figures, then every bench's rows and its status."""
+def results(out: str) -> list[dict[str, Any]]:
+    """The results each bench's last run left in the folder ``out``, in :data:`BENCHES`' order."""
+    docs = []
+    for b in BENCHES:
+        path = os.path.join(out, f"{b.name}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                docs.append(json.load(f))
+    return docs
+
+
+def _grouped(docs: list[dict[str, Any]], what: Callable[[dict[str, Any]], str]) -> str:
+    """``what(doc)`` of the docs, each distinct value once, with the benches it holds for when
+    they differ."""
+    groups: dict[str, list[str]] = {}
+    for d in docs:
+        groups.setdefault(what(d), []).append(d["bench"])
+    return "; ".join(v if len(groups) == 1 else f"{v} ({', '.join(b)})" for v, b in groups.items())
+
+
+def summary(docs: list[dict[str, Any]]) -> str:
+    """The markdown of ``summary.md`` of bench results (each with the command that ran it): the
+    key figures, then every bench's rows and its status."""
     first = docs[0] if docs else {}
     ver = first.get("versions", {})
-    commits: dict[str, list[str]] = {}  # deltackpt's commit -> the benches run on it
-    for d in docs:
+
+    def commit(d: dict[str, Any]) -> str:
         v = d.get("versions", {})
-        key = f"{(v.get('deltackpt_commit') or '?')[:10]}{' (uncommitted changes)' if v.get('deltackpt_dirty') else ''}"
-        commits.setdefault(key, []).append(d["bench"])
-    on = "; ".join(c if len(commits) == 1 else f"{c} ({', '.join(b)})" for c, b in commits.items())
-    lines = [f"# Bench results\n\n`{command}` on {first.get('date', '?')}; deltackpt {on}; "
+        return f"{(v.get('deltackpt_commit') or '?')[:10]}{' (uncommitted changes)' if v.get('deltackpt_dirty') else ''}"
+
+    dates = sorted(d.get("date", "?") for d in docs) or ["?"]
+    when = dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
+    commands = _grouped(docs, lambda d: f"`{d.get('command', '?')}`")
+    lines = [f"# Bench results\n\n{commands} from {when}; deltackpt {_grouped(docs, commit)}; "
              f"torch {ver.get('torch')}; {first.get('machine', {}).get('cpus')} CPUs "
              f"({first.get('machine', {}).get('cpu')}), load average at the start "
              f"{', '.join(f'{x:.1f}' for x in first.get('machine', {}).get('load_average', ()))}.\n",
@@ -451,9 +476,10 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copy(os.path.join(scratch, "chains.png"), os.path.join(args.out, "chains_policies.png"))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    latest = results(args.out)  # this run's and those earlier runs left of the benches it skipped
     with open(os.path.join(args.out, "summary.md"), "w") as f:
-        f.write(summary(docs, command))
-    for path in plots({d["bench"]: d for d in docs}, args.out):
+        f.write(summary(latest))
+    for path in plots({d["bench"]: d for d in latest}, args.out):
         print(f"plot: {path}")
     print(f"summary: {os.path.join(args.out, 'summary.md')}")
     return 0 if all(d["status"] in ("ok", "skipped") for d in docs) else 1

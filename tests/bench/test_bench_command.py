@@ -52,8 +52,14 @@ def test_every_bench_script_is_run_by_the_command():
 
 
 def test_tiny_run_writes_figures_summary_and_plot(tmp_path):
-    _run(tmp_path, "--only", "bench_kernels,bench_save")
     results = tmp_path / "results"
+    results.mkdir()
+    earlier = {"bench": "bench_codecs", "status": "ok", "command": "python -m bench --only bench_codecs",
+               "date": "2026-01-02T03:04:05+00:00", "versions": {"deltackpt_commit": "0123456789abcdef"},
+               "runs": [{"command": "python bench/bench_codecs.py", "status": "ok", "series": {},
+                         "rows": [{"name": "zstd encode", "unit": "GB/s", "median": 1.5, "runs": [1.5]}]}]}
+    (results / "bench_codecs.json").write_text(json.dumps(earlier))
+    _run(tmp_path, "--only", "bench_kernels,bench_save")
     for name in ("bench_kernels", "bench_save"):
         doc = json.loads((results / f"{name}.json").read_text())
         assert doc["status"] == "ok", doc
@@ -71,6 +77,9 @@ def test_tiny_run_writes_figures_summary_and_plot(tmp_path):
     assert base["ratio"] == pytest.approx(base["median"] / base["peer_median"])
     text = (results / "summary.md").read_text()
     assert "## Key figures" in text and "| bench_save | deltackpt base save" in text
+    # The summary covers what an earlier run left of the benches this one did not run, with its command.
+    assert "| bench_codecs | zstd encode | 1.5 GB/s" in text and "`python -m bench --only bench_codecs` (bench_codecs)" in text
+    assert "0123456789 (bench_codecs)" in text
     assert (results / "base_vs_size.png").read_bytes().startswith(PNG)
     assert not (results / "delta_vs_fraction.png").exists()  # bench_tracking did not run
 
@@ -80,7 +89,7 @@ def test_a_failing_bench_is_reported_and_fails_the_command(tmp_path, monkeypatch
     doc = bench.run_bench(broken, "tiny", str(tmp_path), timeout=300)
     assert doc["status"] == "failed" and doc["runs"][0]["status"].startswith("failed")
     assert doc["runs"][0]["output_tail"]
-    assert "failed" in bench.summary([doc], "python -m bench")
+    assert "failed" in bench.summary([doc])
 
 
 def test_a_bench_whose_modules_are_missing_is_skipped(tmp_path):
