@@ -4,7 +4,10 @@ Every figure comes from a fresh Python process (timed inside it, so interpreter 
 counted), rounds interleaved, medians reported:
 
   import      ``import torch`` alone, and ``import deltackpt`` (which imports torch) in another
-              process; the goal is deltackpt's import at most torch's + 0.1 s.
+              process, both from their compiled bytecode (an untimed process writes deltackpt's
+              first), and the part of the latter after torch's import; the goal is deltackpt's
+              import at most torch's + 0.1 s, that part (torch's own import swings too much from
+              process to process for a difference of two processes' medians).
   first save  a process that imports deltackpt, builds a ``Checkpointer`` on a fresh folder and
               saves a tiny state (a 256 x 64 float32 table, a bias, a step), then one changed row
               as a delta; beside it, in the same process, the same bytes written to a fresh file
@@ -112,11 +115,17 @@ def main(argv: list[str] | None = None) -> int:
         runs.setdefault(name, []).append(value)
 
     try:
-        first_save(scratch)  # untimed: fills numba's cache, warms the page cache of the modules
+        # Untimed: fills numba's cache, warms the page cache of the modules, and writes their
+        # bytecode, as a first import does where Python may write it (pip compiles torch's at
+        # install; an editable deltackpt's would otherwise compile at every import where
+        # PYTHONDONTWRITEBYTECODE is set).
+        first_save(scratch, env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"})
         for r in range(args.repeat):
             for lib in (("torch", "deltackpt") if r % 2 else ("deltackpt", "torch")):
                 got = child(IMPORT, lib)
                 note(f"import {lib}", got["total"])
+                if lib == "deltackpt":  # torch's import swings 1.1-1.7 s from process to process
+                    note("import deltackpt after torch", got["total"] - got["torch"])
             warm = first_save(scratch)
             for k in ("first save", "first delta", "write", "torch.save"):
                 note(f"{k}, warm kernel cache", warm[k])
@@ -130,11 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
-    extra = med["import deltackpt"] - med["import torch"]
+    extra = med["import deltackpt after torch"]
     over = med["first save, warm kernel cache"] - med["write, warm kernel cache"]
     print(f"medians of {args.repeat} fresh processes each")
     print("| figure | median s | runs | goal |\n|---|---|---|---|")
-    goals = {"import deltackpt": f"<= import torch + 0.1 s: {'PASS' if extra <= 0.1 else 'MISS'} (+{extra:.3f} s)",
+    goals = {"import deltackpt after torch": f"<= 0.1 s: {'PASS' if extra <= 0.1 else 'MISS'}",
              "first save, warm kernel cache": f"<= write + 0.05 s: {'PASS' if over <= 0.05 else 'MISS'} "
                                               f"(+{over:.3f} s)"}
     for k, v in runs.items():
@@ -143,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         figure("import torch", runs["import torch"]),
         figure("import deltackpt (torch included)", runs["import deltackpt"], peer="import torch",
                peer_runs=runs["import torch"]),
+        figure("import deltackpt after torch, same process", runs["import deltackpt after torch"]),
         figure("first save of a fresh process, warm kernel cache", runs["first save, warm kernel cache"],
                peer="write + fsync of its bytes", peer_runs=runs["write, warm kernel cache"]),
         figure("first delta of a fresh process", runs["first delta, warm kernel cache"]),

@@ -14,7 +14,6 @@ from typing import Any
 from ..errors import StoreError
 from .base import Storage
 from .local import LocalStorage
-from .s3 import open_s3
 
 Opener = Callable[[str, Mapping[str, Any]], Storage]
 """Makes a storage from a URL of its scheme and the caller's ``storage_options``."""
@@ -26,7 +25,13 @@ def _open_local(url: str, options: Mapping[str, Any]) -> Storage:
     return LocalStorage(url.removeprefix("file://"))
 
 
-OPENERS: dict[str, Opener] = {"file": _open_local, "s3": open_s3}
+def _open_s3(url: str, options: Mapping[str, Any]) -> Storage:
+    from .s3 import open_s3  # on first use: a local store's process never loads the S3 client
+
+    return open_s3(url, options)
+
+
+OPENERS: dict[str, Opener] = {"file": _open_local, "s3": _open_s3}
 
 
 def open_storage(url: str | os.PathLike[str] | Storage,

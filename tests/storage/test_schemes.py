@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from deltackpt import StoreError
@@ -26,3 +29,14 @@ def test_unknown_schemes_and_options_are_refused(tmp_path):
         open_storage("gopher://host/store")
     with pytest.raises(StoreError, match="takes no storage_options, got \\['anon'\\]"):
         open_storage(str(tmp_path), {"anon": True})
+
+
+def test_the_s3_client_loads_with_the_first_s3_url(tmp_path):
+    code = ("import sys, deltackpt\n"
+            f"deltackpt.Checkpointer({str(tmp_path)!r}).close()\n"
+            "assert 'deltackpt.storage.s3' not in sys.modules, 'a local store loaded the S3 client'\n"
+            "from deltackpt.storage import open_storage\n"
+            "s = open_storage('s3://bucket/prefix', {'endpoint_url': 'http://127.0.0.1:9', 'region': 'us-east-1', 'access_key_id': 'k', 'secret_access_key': 's'})\n"
+            "assert type(s).__name__ == 'S3Storage' and 'deltackpt.storage.s3' in sys.modules\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
