@@ -36,7 +36,8 @@ def test_the_s3_client_loads_with_the_first_s3_url(tmp_path):
             f"deltackpt.Checkpointer({str(tmp_path)!r}).close()\n"
             "assert 'deltackpt.storage.s3' not in sys.modules, 'a local store loaded the S3 client'\n"
             "from deltackpt.storage import open_storage\n"
-            "s = open_storage('s3://bucket/prefix', {'endpoint_url': 'http://127.0.0.1:9', 'region': 'us-east-1', 'access_key_id': 'k', 'secret_access_key': 's'})\n"
+            "s = open_storage('s3://bucket/prefix', {'endpoint_url': 'http://127.0.0.1:9', 'region': 'us-east-1',\n"
+            "                                        'access_key_id': 'k', 'secret_access_key': 's'})\n"
             "assert type(s).__name__ == 'S3Storage' and 'deltackpt.storage.s3' in sys.modules\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
