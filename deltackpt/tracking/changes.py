@@ -352,10 +352,10 @@ class ChangeTracker:
             return []
         table = group.table
         sample = draw_rows(group.rows, table.canary.sample_size(group.rows), table.rng)
-        if ids.numel():
-            # numpy, on this thread, as in adopt
-            at = np.searchsorted(ids.cpu().numpy(), sample.numpy()).clip(max=ids.numel() - 1)
-            sample = sample[ids.cpu()[at] != sample]
+        if ids.numel():  # the unmarked ones, in numpy on this thread, as in adopt
+            marked, drawn = ids.cpu().numpy(), sample.numpy()
+            at = np.searchsorted(marked, drawn).clip(max=marked.size - 1)
+            sample = torch.from_numpy(drawn[marked[at] != drawn])
         missed = []
         for key, t in members.items():
             by_rows = self.by_rows(key, t)

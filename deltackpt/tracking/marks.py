@@ -102,13 +102,16 @@ class Canary:
 
 def draw_rows(rows: int, count: int, generator: np.random.Generator) -> torch.Tensor:
     """``count`` distinct row ids below ``rows`` (all of them if fewer), uniformly at random:
-    every subset of that size is equally likely, in no particular order. Costs O(count), not
+    every subset of that size is equally likely, in ascending order. Costs O(count), not
     O(rows), when ``count`` is small beside ``rows`` (numpy's sampling without replacement:
     ~20 us for 1,024 of any number of rows, where drawing with torch and deduplicating took
-    ~165 us)."""
+    ~165 us). Sorted (8 us more), so that the canary finds them among the sorted marked rows and
+    gathers them in memory order: 55 us instead of 155 us for the search."""
     if count >= rows:
         return torch.arange(rows)
-    return torch.from_numpy(generator.choice(rows, count, replace=False, shuffle=False).astype(np.int64))
+    drawn = generator.choice(rows, count, replace=False, shuffle=False).astype(np.int64)
+    drawn.sort()
+    return torch.from_numpy(drawn)
 
 
 class TableMode(enum.Enum):
