@@ -31,6 +31,7 @@ from ..io.writer import StepWriter
 from ..quantization import Rowwise
 from ..storage import Storage
 from ..tracking.changes import NO_IDS, SMALL_TENSOR_BYTES, TensorChange, is_row_sparse
+from ..tracking.references import is_small
 from .planner import GlobalPlan
 from .types import Kind, SavePlan, WriteItem, WriteResult
 
@@ -140,7 +141,7 @@ def stage(writers: list[StepWriter], save: SavePlan, items: tuple[WriteItem, ...
         for it in items:
             if not _packed(it, sizes):
                 large.append(it)
-            elif _small(it.tensor):
+            elif is_small(it.tensor):  # into the pack with the others at once
                 small.append(it)
             else:
                 packed.append(it)
@@ -172,12 +173,6 @@ def _packed(item: WriteItem, sizes: tuple[int, int]) -> bool:
 def _chunk_shape(item: WriteItem, sizes: tuple[int, int]) -> tuple[int, ...]:
     shape, itemsize = item.part.box.shape, item.tensor.element_size()
     return FULL.chunk_shape(shape, itemsize, shape[0] if shape else 1, sizes, None)
-
-
-def _small(t: torch.Tensor) -> bool:
-    """Whether a packed part's tensor goes in with the others at once: a CPU tensor of a few
-    elements, whose hashes the change tracker takes with the other small ones'."""
-    return t.is_cpu and t.is_contiguous() and 0 < t.nbytes <= SMALL_TENSOR_BYTES
 
 
 def write(storage: Storage, writers: list[StepWriter],

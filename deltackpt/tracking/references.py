@@ -19,13 +19,19 @@ def is_row_sparse(t: torch.Tensor) -> bool:
     return t.dim() >= 2
 
 
+def is_small(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a CPU tensor of a few elements, laid out contiguously: one that is hashed
+    with the other small ones (see :meth:`~deltackpt.tracking.changes.ChangeTracker.hash_many`)
+    and that a base appends to its pack with them."""
+    return t.is_cpu and t.is_contiguous() and 0 < t.nbytes <= SMALL_TENSOR_BYTES
+
+
 def joined_piece(t: torch.Tensor, chunk_bytes: int | None) -> int:
     """The bytes of ``t``'s rows (``chunk_bytes`` None) or of its chunks if it is small enough to
-    be hashed with others (see :meth:`~deltackpt.tracking.changes.ChangeTracker.hash_many`),
-    else 0."""
-    n = t.nbytes
-    if not n or n > SMALL_TENSOR_BYTES or not t.is_cpu or not t.is_contiguous():
+    be hashed with others (:func:`is_small`), else 0."""
+    if not is_small(t):
         return 0
+    n = t.nbytes
     if chunk_bytes is None:
         return n // t.shape[0]
     return n if n <= chunk_bytes else chunk_bytes if not n % chunk_bytes else 0
