@@ -230,4 +230,7 @@ def warm() -> None:
     mask = torch.zeros(4, dtype=torch.bool)
     reference.mark_rows(mask, torch.tensor([1], dtype=torch.int64))
     reference.mark_rows(mask, torch.tensor([2], dtype=torch.int32))
+    log = torch.zeros(4, dtype=torch.int64).numpy()
+    reference.mark_rows_logged(mask, torch.tensor([3], dtype=torch.int64), 0, log, 0)
+    reference.mark_rows_logged(mask, torch.tensor([0], dtype=torch.int32), 0, log, 1)
     _warm = True

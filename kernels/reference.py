@@ -357,6 +357,39 @@ def mark_rows(mask: torch.Tensor, ids: torch.Tensor) -> None:
         raise IndexError(f"row id {int(ids[bad])} is out of range for {mask.shape[0]} rows")
 
 
+@njit(cache=True, nogil=True)
+def _mark_logged(mask, ids, start, log, count):
+    # _mark of ids[start:], each id it newly sets (from the start) appended to log[count:];
+    # returns (position, count): position -1 once all are set, else that of the first id out of
+    # range or of the first new one the full log has no room for (not set yet).
+    n = mask.shape[0]
+    for i in range(start, ids.shape[0]):
+        j = ids[i]
+        if j < 0:
+            j += n
+        if j < 0 or j >= n:
+            return i, count
+        if mask[j] == 0:
+            if count == log.shape[0]:
+                return i, count
+            mask[j] = 1
+            log[count] = j
+            count += 1
+    return -1, count
+
+
+def mark_rows_logged(mask: torch.Tensor, ids: torch.Tensor, start: int, log: np.ndarray,
+                     count: int) -> tuple[int, int]:
+    """:func:`mark_rows` of ``ids[start:]`` (a contiguous 1-D CPU tensor) that also appends
+    every id it newly sets, counted from the start, to the int64 array ``log`` after its first
+    ``count``: so ``log[:count]`` lists the set rows, each once, without a pass over the mask.
+    Returns ``(position, count)``: position -1 once every id is set, else that of the first id
+    out of range or of the first new id the full log had no room for (it and those after it are
+    not set yet; those before it are set and logged).
+    """
+    return _mark_logged(mask.view(torch.uint8).numpy(), ids.numpy(), start, log, count)
+
+
 def gather_rows(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Returns ``t[ids]`` as a new tensor."""
     return t.index_select(0, ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import types
 
 import pytest
@@ -14,7 +15,7 @@ from torch import nn
 from deltackpt import StateError
 from deltackpt.statetree import key_part
 from deltackpt.tracking.changes import ChangeTracker
-from deltackpt.tracking.marks import Canary, TableMode
+from deltackpt.tracking.marks import LOG_MIN, LOG_SHARE, Canary, TableMode, TrackedTable
 from deltackpt.tracking.rows import RowTracker
 
 ROWS = 300
@@ -482,3 +483,55 @@ def test_the_first_delta_after_a_base_compares_with_the_base_hashes_kept_joined(
     assert not joined
     assert {k for k, ch in changes.items() if ch.changed.numel()} == {"s7"}
     assert changes["s7"].changed.tolist() == [2]
+
+
+@pytest.mark.parametrize("marked", [0, 5, LOG_MIN + 7, 3_000, 9_000])
+def test_a_take_gives_every_marked_row_once_sorted_whether_logged_or_found_in_the_mask(marked):
+    """A CPU table logs the rows it marks (its log growing from LOG_MIN) up to LOG_SHARE of its
+    rows, past that the take passes over the mask: either way each take gives the rows marked
+    since the one before, sorted, each once, and the next log starts empty."""
+    rows = 40_000  # a log of up to 2,500 rows
+    gen = torch.Generator().manual_seed(marked)
+    table = TrackedTable(("t",), None, None, Canary())
+    table.begin(rows, torch.device("cpu"))
+    for _ in range(2):
+        ids = torch.randint(0, rows, (marked,), generator=gen)
+        for piece in ids.split(700):  # duplicates within and across the marks
+            table.mark(torch.cat([piece, piece[:50]]))
+        table.mark(torch.tensor([7, 7], dtype=torch.int32))
+        assert (table.log is None) == (len(set(ids.tolist()) | {7}) > rows * LOG_SHARE)
+        got = table.take()
+        table.settle()
+        assert got.tolist() == sorted(set(ids.tolist()) | {7})
+        assert not table.mask.any() and table.logged == 0 and table.log is not None
+
+
+def test_rows_marked_by_another_thread_during_takes_reach_exactly_one_take():
+    rows, batch = 200_000, 500
+    table = TrackedTable(("t",), None, None, Canary())
+    table.begin(rows, torch.device("cpu"))
+    order = torch.randperm(rows, generator=torch.Generator().manual_seed(0))
+    done = threading.Event()
+
+    def marker() -> None:
+        for piece in order.split(batch):
+            table.mark(piece)
+        done.set()
+
+    thread = threading.Thread(target=marker)
+    thread.start()
+    taken = []
+    while not done.is_set():
+        taken += table.take().tolist()
+        table.settle()
+    thread.join()
+    taken += table.take().tolist()
+    assert len(taken) == rows and set(taken) == set(range(rows))
+
+
+def test_a_mark_out_of_range_sets_the_ids_before_it():
+    table = TrackedTable(("t",), None, None, Canary())
+    table.begin(10, torch.device("cpu"))
+    with pytest.raises(IndexError, match="row id 10 is out of range for 10 rows"):
+        table.mark(torch.tensor([3, 1, 10, 2]))
+    assert table.take().tolist() == [1, 3]
