@@ -28,6 +28,13 @@ that becomes busy elsewhere meanwhile holds back the calling thread by one piece
 MAX_PIECE_BYTES = 16 << 20
 """The most bytes of a job of a split hash."""
 
+BUSY_SPLIT_BYTES = 16 << 20
+"""A share of a split hash that pays for a thread even when other processes hold every core
+(~3.5 ms of hashing at this machine's memory speed, against a woken thread's wait for a core of
+about a millisecond), so it is split whatever :func:`~deltackpt.io.threads.idle_cores` says: the
+140 MiB of dense weights a 1% delta of ``bench/bench_busy.py`` hashes took 65 ms on the calling
+thread alone and 35 ms on two threads with both cores busy elsewhere (16 ms on idle cores)."""
+
 JOBS_PER_THREAD = 8
 """Jobs a split hash aims at for each thread: a 512 MiB table in 1 MiB pieces took 66-72 ms on
 two threads, in 8 MiB pieces 61 ms (numba's own parallel loop: 51-60 ms)."""
@@ -39,10 +46,11 @@ class Hasher:
     A CPU tensor of at least ``2 * PIECE_BYTES`` bytes is split into pieces (about
     ``JOBS_PER_THREAD`` a thread, of ``PIECE_BYTES`` to ``MAX_PIECE_BYTES``), hashed into one result
     by the caller and up to ``threads - 1`` threads of the executor, as many as there are idle
-    cores (:func:`~deltackpt.io.threads.idle_cores`), each taking the next piece none has
-    started. Anything smaller, or any input while no core is idle, is hashed on the calling
-    thread, and a device tensor by its kernels. :meth:`many` hashes several tensors in one such
-    run, so the threads are woken once for them all.
+    cores (:func:`~deltackpt.io.threads.idle_cores`), or all of them for large work
+    (``BUSY_SPLIT_BYTES`` a thread), each taking the next piece none has started. Anything
+    smaller, or smaller work while no core is idle, is hashed on the calling thread, and a device
+    tensor by its kernels. :meth:`many` hashes several tensors in one such run, so the threads are
+    woken once for them all.
 
     Args:
         executor: the save's worker threads; None hashes everything on the calling thread.
@@ -73,7 +81,7 @@ class Hasher:
         out: list[torch.Tensor] = []
         jobs: list[Callable[[], object]] = []
         large = sum(t.numel() * t.element_size() for t, _ in inputs if self._large(t))
-        helpers = self._helpers() if large else 0
+        helpers = self._helpers(large) if large else 0
         # About JOBS_PER_THREAD jobs a thread, none under PIECE_BYTES: a job costs two hand-offs
         # of the GIL (~20 us each), and the last one keeps one thread while the others are done.
         piece = min(MAX_PIECE_BYTES, max(PIECE_BYTES, large // (JOBS_PER_THREAD * (helpers + 1))))
@@ -98,10 +106,13 @@ class Hasher:
         """Whether ``t`` is worth splitting: on the CPU, at least two pieces."""
         return t.device.type == "cpu" and t.numel() * t.element_size() >= 2 * PIECE_BYTES
 
-    def _helpers(self) -> int:
-        """How many I/O threads may help now: one per idle core, at most ``threads - 1``."""
+    def _helpers(self, large: int) -> int:
+        """How many I/O threads may help hash ``large`` bytes now: ``threads - 1`` when each
+        thread's share is at least BUSY_SPLIT_BYTES, else one per idle core, at most that."""
         if self._executor is None or self._threads <= 1:
             return 0
+        if large >= BUSY_SPLIT_BYTES * self._threads:
+            return self._threads - 1
         idle = idle_cores()
         return max(0, self._threads - 1 if idle is None else min(self._threads - 1, idle))
 

@@ -160,13 +160,27 @@ def test_tables_hashed_together_wake_the_threads_once(idle):
 
 @pytest.mark.parametrize("found", [0, -2])
 def test_no_thread_is_woken_while_every_core_is_busy(idle, found):
+    """Under BUSY_SPLIT_BYTES a thread (13 MB and 10 MiB on two threads: 16 MiB each is the
+    least), each hash runs on the calling thread."""
     idle(found)
-    table, flat = torch.randn(300_001, 33), torch.randn(10 * MiB)
+    table, flat = torch.randn(100_001, 33), torch.randn(10 * MiB // 4)
     with CountingPool(2) as ex:
         hasher = Hasher(ex, 2)
         assert hasher.rows(table).equal(kernels.hash_rows(table, threads=1))
         assert hasher.chunks(flat, MiB).equal(kernels.hash_chunks(flat, MiB, threads=1))
     assert ex.submitted == 0
+
+
+@pytest.mark.parametrize("found", [0, -2])
+def test_large_work_is_split_even_while_every_core_is_busy(idle, found):
+    """BUSY_SPLIT_BYTES a thread or more pays for a thread that waits for a core: all the
+    threads allowed take part, for the same bits."""
+    idle(found)
+    flat = torch.randn(3 * hashing.BUSY_SPLIT_BYTES // 4)
+    with CountingPool(3) as ex:
+        got = Hasher(ex, 3).chunks(flat, MiB)
+    assert ex.submitted == 2
+    assert got.equal(kernels.hash_chunks(flat, MiB, threads=1))
 
 
 @pytest.mark.parametrize("threads", [2, 3])
