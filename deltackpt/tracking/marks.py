@@ -1,4 +1,5 @@
-"""One tracked table's marks: a mask with an entry per row, and when they stand for its changes.
+"""One tracked table's marks: a mask with an entry per row (on the CPU with a log of the rows
+it set, up to a share of them), and when they stand for its changes.
 
 Marks made before a table's first save are not needed (that save hashes the table) and are
 dropped. A table's :class:`TableMode` moves on as :mod:`deltackpt.tracking.changes` scans and commits::
