@@ -289,7 +289,7 @@ class StepWriter:
         """
         src, idx, dst = flat.view(torch.uint8).numpy(), ids.numpy(), out.view(torch.uint8).numpy()
         n = len(idx)
-        pieces = max(1, min(MAX_PIECES, n * dst.shape[1] // kernels.reference.PARALLEL_MIN))
+        pieces = max(1, min(MAX_PIECES, n * dst.shape[1] // kernels.PARALLEL_MIN))
         step = -(-n // pieces)
 
         def piece(lo: int) -> None:
