@@ -7,7 +7,12 @@ counted), rounds interleaved, medians reported:
               process, both from their compiled bytecode (an untimed process writes deltackpt's
               first), and the part of the latter after torch's import; the goal is deltackpt's
               import at most torch's + 0.1 s, that part (torch's own import swings too much from
-              process to process for a difference of two processes' medians).
+              process to process for a difference of two processes' medians). Torch's import
+              leaves the collector a few young collections short of a full collection of its
+              heap, so whatever code allocates a few thousand objects after it pays for that
+              (~70 ms here; 200,000 empty dicts right after ``import torch`` took 87 ms, 72 of
+              them in that collection): a third process times it (``gc.collect()`` right after
+              torch's import) and deltackpt's import after it apart.
   first save  a process that imports deltackpt, builds a ``Checkpointer`` on a fresh folder and
               saves a tiny state (a 256 x 64 float32 table, a bias, a step), then one changed row
               as a delta; beside it, in the same process, the same bytes written to a fresh file
@@ -35,14 +40,17 @@ import tempfile
 from common import figure, json_option, write_figures  # bench/common.py
 
 IMPORT = """
-import json, sys, time
+import gc, json, sys, time
 t0 = time.perf_counter()
 import torch
 t1 = time.perf_counter()
-if sys.argv[1] == "deltackpt":
-    import deltackpt
+if sys.argv[1] == "collected":
+    gc.collect()
 t2 = time.perf_counter()
-print(json.dumps({"torch": t1 - t0, "total": t2 - t0}))
+if sys.argv[1] != "torch":
+    import deltackpt
+t3 = time.perf_counter()
+print(json.dumps({"torch": t1 - t0, "collect": t2 - t1, "total": t3 - t0, "after": t3 - t2}))
 """
 
 FIRST_SAVE = """
@@ -125,7 +133,10 @@ def main(argv: list[str] | None = None) -> int:
                 got = child(IMPORT, lib)
                 note(f"import {lib}", got["total"])
                 if lib == "deltackpt":  # torch's import swings 1.1-1.7 s from process to process
-                    note("import deltackpt after torch", got["total"] - got["torch"])
+                    note("import deltackpt after torch", got["after"])
+            got = child(IMPORT, "collected")
+            note("full collection due after torch's import", got["collect"])
+            note("import deltackpt after torch and that collection", got["after"])
             warm = first_save(scratch)
             for k in ("first save", "first delta", "write", "torch.save"):
                 note(f"{k}, warm kernel cache", warm[k])
@@ -153,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         figure("import deltackpt (torch included)", runs["import deltackpt"], peer="import torch",
                peer_runs=runs["import torch"]),
         figure("import deltackpt after torch, same process", runs["import deltackpt after torch"]),
+        figure("full collection due after torch's import (gc.collect())",
+               runs["full collection due after torch's import"]),
+        figure("import deltackpt after torch and that collection, same process",
+               runs["import deltackpt after torch and that collection"]),
         figure("first save of a fresh process, warm kernel cache", runs["first save, warm kernel cache"],
                peer="write + fsync of its bytes", peer_runs=runs["write, warm kernel cache"]),
         figure("first delta of a fresh process", runs["first delta, warm kernel cache"]),
