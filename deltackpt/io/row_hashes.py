@@ -51,14 +51,12 @@ class RowHashes:
         row indices), on the calling thread.
 
         numpy for the scatter, on this thread: torch's indexing wakes its thread pool, slow
-        beside the I/O threads on a busy node."""
+        beside the I/O threads on a busy node. The hash takes the small inputs' path while the
+        compiled kernels are not loaded yet (see :mod:`deltackpt.kernels.small`): a fresh
+        process's restore of a small state waited for numba's import (0.4-0.48 s)."""
         data = data.reshape(data.shape[0], math.prod(data.shape[1:]))
-        if isinstance(rows, slice):
-            kernels.reference.hash_rows(data, 1, self.values[rows])
-            self.known[rows] = True
-            return
-        at = rows.numpy()
-        self.values.numpy()[at] = kernels.reference.hash_rows(data.contiguous(), 1).numpy()
+        at = rows if isinstance(rows, slice) else rows.numpy()
+        self.values.numpy()[at] = kernels.hash_rows(data, threads=1).numpy()
         self.known.numpy()[at] = True
 
     def lost(self, rows: slice | torch.Tensor) -> None:
@@ -75,6 +73,6 @@ class RowHashes:
         if missing.size:
             flat = dest.reshape(dest.shape[0], math.prod(dest.shape[1:]))
             rows = torch.from_numpy(np.ascontiguousarray(flat.view(torch.uint8).numpy()[missing]))
-            self.values.numpy()[missing] = kernels.reference.hash_rows(rows, 1).numpy()
+            self.values.numpy()[missing] = kernels.hash_rows(rows, threads=1).numpy()
             self.known[:] = True
         return self.values
