@@ -195,7 +195,10 @@ class StepWriter:
         the idle cores while this writer's files wait for staging to end (their threads are
         free, and training waits for the copies), else on this thread."""
         n = dst.shape[0]
-        pieces = min(n // COPY_PIECE_BYTES, 1 + max(0, idle_cores() or 0)) if self._files.holding else 1
+        most = n // COPY_PIECE_BYTES if self._files.holding else 1
+        # Asked only for a copy worth splitting: idle_cores reads a file per thread of this
+        # process, each read a hand-off of the GIL (15 ms beside the kernels' warm-up).
+        pieces = min(most, 1 + max(0, idle_cores() or 0)) if most > 1 else 1
         if pieces <= 1:
             np.copyto(dst, src)
             return

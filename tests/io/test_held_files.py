@@ -117,6 +117,23 @@ def test_held_copies_are_shared_with_an_idle_core(monkeypatch):
     assert got == t.numpy().tobytes()
 
 
+def test_a_held_copy_too_small_to_split_asks_for_no_core_count(monkeypatch):
+    """Counting idle cores reads a file per thread of the process (15 ms beside the kernels'
+    warm-up): a copy under two pieces is made on the calling thread without asking."""
+    def refused():
+        raise AssertionError("idle_cores() asked for a copy under two pieces")
+
+    monkeypatch.setattr(writer, "idle_cores", refused)
+    t = torch.randn(ROWS, COLS)
+    storage, pool = CountingStorage(), touched_pool(16)
+    with ThreadPoolExecutor(2) as ex:
+        w = StepWriter(storage, "steps/1-a", pool, ex, hold=True)
+        stage(w, [t])
+        w.staged()
+        w.finish()
+    assert b"".join(storage.read(f"steps/1-a/t0/c.{c}.0") for c in range(4)) == t.numpy().tobytes()
+
+
 def test_a_background_base_into_touched_buffers_writes_after_the_call():
     storage = CountingStorage()
     t = torch.randn(1 << 14, 64)  # 4 MiB: 4 chunks of 1 MiB
