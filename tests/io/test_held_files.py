@@ -44,6 +44,18 @@ def touched_pool(buffers: int) -> StagingPool:
     return pool
 
 
+def held_write(t: torch.Tensor) -> bytes:
+    """The bytes of ``t``'s four chunks, staged by a writer that holds its files, into touched
+    buffers, then written."""
+    storage, pool = CountingStorage(), touched_pool(16)
+    with ThreadPoolExecutor(2) as ex:
+        w = StepWriter(storage, "steps/1-a", pool, ex, hold=True)
+        stage(w, [t])
+        w.staged()
+        w.finish()
+    return b"".join(storage.read(f"steps/1-a/t0/c.{c}.0") for c in range(4))
+
+
 @pytest.mark.parametrize("hold", [True, False])
 def test_held_files_are_written_once_staged(hold):
     tables = [torch.randn(ROWS, COLS) + i for i in range(2)]
@@ -106,15 +118,8 @@ def test_held_copies_are_shared_with_an_idle_core(monkeypatch):
 
     monkeypatch.setattr(writer, "run_shared", counted)
     t = torch.randn(ROWS, COLS)
-    storage, pool = CountingStorage(), touched_pool(16)
-    with ThreadPoolExecutor(2) as ex:
-        w = StepWriter(storage, "steps/1-a", pool, ex, hold=True)
-        stage(w, [t])
-        w.staged()
-        w.finish()
+    assert held_write(t) == t.numpy().tobytes()
     assert shared == [(8, 1)] * 4  # each 16 KiB chunk in 8 jobs, one helper
-    got = b"".join(storage.read(f"steps/1-a/t0/c.{c}.0") for c in range(4))
-    assert got == t.numpy().tobytes()
 
 
 def test_a_held_copy_too_small_to_split_asks_for_no_core_count(monkeypatch):
@@ -125,13 +130,7 @@ def test_a_held_copy_too_small_to_split_asks_for_no_core_count(monkeypatch):
 
     monkeypatch.setattr(writer, "idle_cores", refused)
     t = torch.randn(ROWS, COLS)
-    storage, pool = CountingStorage(), touched_pool(16)
-    with ThreadPoolExecutor(2) as ex:
-        w = StepWriter(storage, "steps/1-a", pool, ex, hold=True)
-        stage(w, [t])
-        w.staged()
-        w.finish()
-    assert b"".join(storage.read(f"steps/1-a/t0/c.{c}.0") for c in range(4)) == t.numpy().tobytes()
+    assert held_write(t) == t.numpy().tobytes()
 
 
 def test_a_background_base_into_touched_buffers_writes_after_the_call():
