@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import torch
 
 
@@ -29,3 +32,10 @@ def assert_same_state(got, want, path: str = "") -> None:
         assert got != got, path
     else:
         assert got == want and type(got) is type(want), f"{path}: {got!r} != {want!r}"
+
+
+def assert_runs_fresh(code: str, *argv: str) -> None:
+    """Runs ``code`` (with ``argv``) in a fresh interpreter, which must exit 0; else fails with
+    the end of what it wrote to stderr."""
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -4,11 +4,10 @@ and the package importing without numba."""
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
+from helpers import assert_runs_fresh
 
 from deltackpt import kernels
 from deltackpt.kernels import reference, small
@@ -70,8 +69,7 @@ def test_import_and_small_hashes_leave_numba_unloaded():
             "assert 'numba' not in sys.modules, 'a small hash loaded numba'\n"
             "kernels.hash_rows(torch.zeros(4096, 16))\n"
             "assert 'numba' in sys.modules\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
+    assert_runs_fresh(code)
 
 
 def test_small_saves_and_restores_leave_numba_unloaded(tmp_path):
@@ -90,9 +88,7 @@ def test_small_saves_and_restores_leave_numba_unloaded(tmp_path):
             "    into = {'w': torch.zeros(256, 64), 'b': torch.zeros(64), 'step': 0}\n"
             "    assert ckpt.restore(into) == 1 and into['w'].equal(state['w'])\n"
             "assert 'numba' not in sys.modules, 'a small save loaded numba'\n")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
+    assert_runs_fresh(code, str(tmp_path))
 
 
 def test_small_inputs_take_the_compiled_kernels_once_they_are_warm(monkeypatch):

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+from helpers import assert_runs_fresh
 
 from deltackpt import StoreError
 from deltackpt.storage import LocalStorage, MemoryStorage, open_storage
@@ -39,5 +37,4 @@ def test_the_s3_client_loads_with_the_first_s3_url(tmp_path):
             "s = open_storage('s3://bucket/prefix', {'endpoint_url': 'http://127.0.0.1:9', 'region': 'us-east-1',\n"
             "                                        'access_key_id': 'k', 'secret_access_key': 's'})\n"
             "assert type(s).__name__ == 'S3Storage' and 'deltackpt.storage.s3' in sys.modules\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
+    assert_runs_fresh(code)
