@@ -12,6 +12,7 @@ Nodes: ``{"tensor": KEY}``, ``{"value": V}``, ``{"float": "nan" | "inf" | "-inf"
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,40 +35,47 @@ class FlatState:
         sources: the live plain tensor (``torch.Tensor`` or ``Parameter``) each shard views, by
             key: what a later :func:`flatten` with ``reuse`` recognises.
         reused: how many shards that :func:`flatten` took from ``reuse``.
+        strided: the keys of the shards that are not contiguous.
+        dicts: each mapping's keys, their paths and its node, by path: what a later
+            :func:`flatten` with ``reuse`` keeps when it finds them again.
     """
 
     tensors: dict[str, Shard]
     tree: dict[str, Any]
     sources: dict[str, torch.Tensor] = field(default_factory=dict)
     reused: int = 0
+    strided: set[str] = field(default_factory=set)
+    dicts: dict[str, tuple[list[Any], list[str], dict[str, Any]]] = field(default_factory=dict)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # the types whose shards flatten may reuse
+_NO_DICTS: dict[str, tuple[list[Any], list[str], dict[str, Any]]] = {}
 
 
 @dataclass
 class _Flattening:
-    """What one :func:`flatten` gathers, and the earlier result it may take shards from."""
+    """What one :func:`flatten` gathers, and the earlier result it may take shards and nodes from."""
 
     reuse: FlatState | None
     tensors: dict[str, Shard] = field(default_factory=dict)
     sources: dict[str, torch.Tensor] = field(default_factory=dict)
     reused: int = 0
+    strided: set[str] = field(default_factory=set)
+    dicts: dict[str, tuple[list[Any], list[str], dict[str, Any]]] = field(default_factory=dict)
 
     def known(self, obj: Any, path: str) -> Shard | None:
         """The shard ``reuse`` made of ``obj`` at ``path`` if it still views ``obj`` exactly:
-        the same object, dtype, shape, strides and first byte (a ``.data`` swap or an in-place
-        resize changes one). A shard holds its storage, so no new storage can take its address."""
+        the same object, dtype, storage, offset, shape and strides (a ``.data`` swap or an
+        in-place resize changes one). A shard holds its storage, so no new storage can take its
+        place. (``is_set_to`` checks the four last in one call: thousands of tiny tensors pay
+        for each call.)"""
         reuse = self.reuse
-        if reuse is None or type(obj) not in _PLAIN:
+        t = None if reuse is None else reuse.sources.get(path)
+        if t is None or t is not obj or type(t) not in _PLAIN:
             return None
-        t = reuse.sources.get(path)
-        if t is None or t is not obj:
-            return None
-        shard = reuse.tensors[path]
+        shard = reuse.tensors[path]  # type: ignore[union-attr]  # t is not None: reuse is set
         old = shard.local
-        if (old.data_ptr() != t.data_ptr() or old.dtype != t.dtype or old.dtype.is_complex
-                or old.shape != t.shape or old.stride() != t.stride()):
+        if not t.is_set_to(old) or t.dtype != old.dtype or old.dtype.is_complex:
             return None
         return shard
 
@@ -143,8 +151,8 @@ def flatten(state: Mapping[str, Any], *, reuse: FlatState | None = None) -> Flat
     if not isinstance(state, Mapping):
         raise StateError(f"state must be a mapping, got {type(state).__name__}")
     out = _Flattening(reuse)
-    tree = _node(state, "", out, 0)
-    return FlatState(out.tensors, tree, out.sources, out.reused)
+    tree = _node(state, "", out, 0, None)
+    return FlatState(out.tensors, tree, out.sources, out.reused, out.strided, out.dicts)
 
 
 def integration(obj: object) -> Any:
@@ -157,7 +165,10 @@ def integration(obj: object) -> Any:
     return None
 
 
-def _node(obj: Any, path: str, out: _Flattening, depth: int) -> dict[str, Any]:
+def _node(obj: Any, path: str, out: _Flattening, depth: int, last: dict[str, Any] | None) -> dict[str, Any]:
+    """The skeleton node of ``obj`` at ``path``; ``last``: its node in the reused flattening, if
+    any, returned again when ``obj`` flattens the same (a state of an unchanged layout makes no
+    new node for its thousands of tensors)."""
     if depth > MAX_DEPTH:
         raise StateError(f"{path}: the state is nested deeper than {MAX_DEPTH} levels")
     tensors = out.tensors
@@ -166,10 +177,12 @@ def _node(obj: Any, path: str, out: _Flattening, depth: int) -> dict[str, Any]:
             raise StateError(f"two entries of the state map to the key {path!r}")
         tensors[path], out.sources[path] = known, obj
         out.reused += 1
-        return {"tensor": path}
+        if path in out.reuse.strided:  # type: ignore[union-attr]  # known: reuse is set
+            out.strided.add(path)
+        return last if last is not None and last.get("tensor") == path else {"tensor": path}
     adapter = integration(obj)
     if adapter is not None:
-        return _node(adapter.live_state(obj).tree, path, out, depth)
+        return _node(adapter.live_state(obj).tree, path, out, depth, None)
     if isinstance(obj, (torch.Tensor, Shard)):
         if path in tensors:
             raise StateError(f"two entries of the state map to the key {path!r}")
@@ -187,22 +200,17 @@ def _node(obj: Any, path: str, out: _Flattening, depth: int) -> dict[str, Any]:
             shard = Shard(found.local.detach(), global_shape=found.global_shape, global_offset=found.global_offset)
         if shard.local.layout != torch.strided:
             raise StateError(f"{path}: only dense (strided) tensors are supported, got {shard.local.layout}")
+        if not shard.local.is_contiguous():
+            out.strided.add(path)
         tensors[path] = shard
         return {"tensor": path}
     if is_stateful(obj) and not isinstance(obj, Mapping):
-        return _node(obj.state_dict(), path, out, depth)
+        return _node(obj.state_dict(), path, out, depth, None)
     if isinstance(obj, Mapping):
-        items = []
-        for k, v in obj.items():
-            if not isinstance(k, (str, int)) or isinstance(k, bool):
-                raise StateError(f"{path or '<root>'}: keys must be str or int, got {k!r}")
-            if isinstance(k, str) and has_surrogate(k):
-                raise StateError(f"{path or '<root>'}: key {k!r} holds a lone surrogate (not UTF-8)")
-            items.append([k, _node(v, child_key(path, k), out, depth + 1)])
-        return {"dict": items}
+        return _mapping(obj, path, out, depth)
     if isinstance(obj, (list, tuple)):
         kind = "tuple" if isinstance(obj, tuple) else "list"
-        return {kind: [_node(v, child_key(path, i), out, depth + 1) for i, v in enumerate(obj)]}
+        return {kind: [_node(v, child_key(path, i), out, depth + 1, None) for i, v in enumerate(obj)]}
     if isinstance(obj, float) and not math.isfinite(obj):
         return {"float": repr(obj)}
     if obj is None or isinstance(obj, (bool, int, float, str)):
@@ -211,6 +219,32 @@ def _node(obj: Any, path: str, out: _Flattening, depth: int) -> dict[str, Any]:
         f"{path or '<root>'}: cannot save a {type(obj).__name__}; use tensors, objects with "
         "state_dict(), dicts, lists, tuples, str, int, float, bool or None"
     )
+
+
+def _mapping(obj: Mapping[Any, Any], path: str, out: _Flattening, depth: int) -> dict[str, Any]:
+    """The node of a mapping: its keys checked and joined into paths once, then kept while the
+    mapping at ``path`` has the same keys, in order; the node itself kept when every child's is."""
+    keys = list(obj)
+    last = (out.reuse.dicts if out.reuse is not None else _NO_DICTS).get(path)
+    # Equal keys of the same types (1 == True == 1.0, and keys were checked by type).
+    if last is not None and last[0] == keys and all(map(operator.is_, map(type, keys), map(type, last[0]))):
+        _, paths, node = last
+        children = [_node(v, p, out, depth + 1, old)
+                    for v, p, (_, old) in zip(obj.values(), paths, node["dict"])]
+        if not all(map(operator.is_, children, (old for _, old in node["dict"]))):
+            node = {"dict": [[k, c] for k, c in zip(keys, children)]}
+        out.dicts[path] = (keys, paths, node)
+        return node
+    paths = []
+    for k in keys:
+        if not isinstance(k, (str, int)) or isinstance(k, bool):
+            raise StateError(f"{path or '<root>'}: keys must be str or int, got {k!r}")
+        if isinstance(k, str) and has_surrogate(k):
+            raise StateError(f"{path or '<root>'}: key {k!r} holds a lone surrogate (not UTF-8)")
+        paths.append(child_key(path, k))
+    node = {"dict": [[k, _node(v, p, out, depth + 1, None)] for k, v, p in zip(keys, obj.values(), paths)]}
+    out.dicts[path] = (keys, paths, node)
+    return node
 
 
 def build(node: Mapping[str, Any], tensors: Mapping[str, Any]) -> Any:

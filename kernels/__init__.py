@@ -183,19 +183,42 @@ def hash_segments(tensors: Sequence[torch.Tensor], pieces: Sequence[int]) -> tor
         >>> hash_segments([torch.zeros(3, 4), torch.zeros(2)], [16, 8]).shape
         torch.Size([4])
     """
-    if len(tensors) != len(pieces):
-        raise ValueError(f"{len(tensors)} tensors but {len(pieces)} piece sizes")
-    total = count = 0
-    for t, p in zip(tensors, pieces):
-        n = t.nbytes
-        if p <= 0 or not n or n % p or t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"cannot hash a {t.device.type} tensor of {n} bytes "
-                             f"({'' if t.is_contiguous() else 'not '}contiguous) in pieces of {p} bytes")
-        total += n
-        count += n // p
-    if count <= small.SMALL_PIECES and total <= small.SMALL_BYTES:
-        return small.hash_segments(list(tensors), list(pieces))
-    return __getattr__("reference").hash_segments(list(tensors), list(pieces))
+    return Segments(tensors, pieces).hash()
+
+
+class Segments:
+    """Tensors that :func:`hash_segments` hashes together again and again (a state's small
+    tensors, at every save): checked and sized once, so that each :meth:`hash` asks each tensor
+    only where its bytes lie now (a state of thousands of tiny tensors pays for every question).
+
+    The tensors must keep their dtypes and shapes while it is used (the change tracker passes the
+    saver's own views of the state, which nothing reshapes); it holds them, so their memory lives.
+
+    Raises:
+        ValueError: as :func:`hash_segments`.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], pieces: Sequence[int]):
+        if len(tensors) != len(pieces):
+            raise ValueError(f"{len(tensors)} tensors but {len(pieces)} piece sizes")
+        total = count = 0
+        for t, p in zip(tensors, pieces):
+            n = t.nbytes
+            if p <= 0 or not n or n % p or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(f"cannot hash a {t.device.type} tensor of {n} bytes "
+                                 f"({'' if t.is_contiguous() else 'not '}contiguous) in pieces of {p} bytes")
+            total += n
+            count += n // p
+        self.tensors, self.pieces = list(tensors), list(pieces)
+        self._sizes: Any = None  # the compiled kernel's arguments, but the addresses
+        if not (count <= small.SMALL_PIECES and total <= small.SMALL_BYTES):
+            self._sizes = __getattr__("reference").segment_sizes(self.tensors, self.pieces)
+
+    def hash(self) -> torch.Tensor:
+        """The hashes of every tensor's pieces as its bytes are now, one tensor after another."""
+        if self._sizes is None:
+            return small.hash_segments(self.tensors, self.pieces)
+        return __getattr__("reference").hash_at(self.tensors, *self._sizes)
 
 
 def _check_threads(threads: int | None) -> None:
@@ -226,7 +249,8 @@ def warm() -> None:
     reference.hash_rows(torch.zeros(2, 8, dtype=torch.uint8), 1)  # rows of whole 8-byte words
     reference.hash_rows(torch.zeros(2, 3, dtype=torch.uint8), 1)  # rows of any bytes
     reference.hash_chunks(torch.zeros(24, dtype=torch.uint8), 8, 1)
-    reference.hash_segments([torch.zeros(24, dtype=torch.uint8)], [8])
+    segment = [torch.zeros(24, dtype=torch.uint8)]
+    reference.hash_at(segment, *reference.segment_sizes(segment, [8]))
     mask = torch.zeros(4, dtype=torch.bool)
     reference.mark_rows(mask, torch.tensor([1], dtype=torch.int64))
     reference.mark_rows(mask, torch.tensor([2], dtype=torch.int32))

@@ -296,16 +296,18 @@ def _hash_segments(addresses, sizes, pieces, out):
             k += 1
 
 
-def hash_segments(tensors: list[torch.Tensor], pieces: list[int]) -> torch.Tensor:
-    """XXH64 of every ``pieces[i]``-byte piece of each CPU tensor ``tensors[i]``, one tensor after
-    another, in one compiled call on the calling thread that reads each tensor where it lies (no
-    copy into one buffer). Each tensor must be contiguous and hold a whole number of its pieces
-    (see :func:`deltackpt.kernels.hash_segments`, which checks)."""
-    n = len(tensors)
-    addresses = np.fromiter((t.data_ptr() for t in tensors), dtype=np.int64, count=n)
-    sizes = np.fromiter((t.nbytes for t in tensors), dtype=np.int64, count=n)
+def segment_sizes(tensors: list[torch.Tensor], pieces: list[int]) -> tuple[np.ndarray, np.ndarray, int]:
+    """What :func:`hash_at` needs of CPU tensors but their addresses (:class:`~deltackpt.kernels.Segments` checks them)."""
+    sizes = np.fromiter((t.nbytes for t in tensors), dtype=np.int64, count=len(tensors))
     steps = np.asarray(pieces, dtype=np.int64)
-    out = np.empty(int((sizes // steps).sum()), dtype=np.uint64)
+    return sizes, steps, int((sizes // steps).sum())
+
+
+def hash_at(tensors: list[torch.Tensor], sizes: np.ndarray, steps: np.ndarray, count: int) -> torch.Tensor:
+    """XXH64 of every piece of each tensor sized by :func:`segment_sizes`, one tensor after another,
+    in one compiled call on the calling thread that reads each tensor where it lies now (no copy)."""
+    addresses = np.fromiter((t.data_ptr() for t in tensors), dtype=np.int64, count=len(tensors))
+    out = np.empty(count, dtype=np.uint64)
     _hash_segments(addresses, sizes, steps, out)
     return torch.from_numpy(out.view(np.int64))
 

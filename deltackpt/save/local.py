@@ -30,15 +30,20 @@ def plan_local(step: int, state: Mapping[str, Any], rank: int, sizes: tuple[int,
         raise StepExistsError(f"step must be an int in [0, {MAX_STEP}], got {step!r}")
     flat = statetree.flatten(state, reuse=None if last is None else last.flat)
     # A non-contiguous tensor is copied now, so its copy is never taken from ``last``.
-    shards = {k: s if s.local.is_contiguous() else
-              Shard(s.local.contiguous(), global_shape=s.global_shape, global_offset=s.global_offset)
-              for k, s in flat.tensors.items()}
+    shards = dict(flat.tensors)
+    for k in flat.strided:
+        s = shards[k]
+        shards[k] = Shard(s.local.contiguous(), global_shape=s.global_shape, global_offset=s.global_offset)
+    # Every tensor the same as last time, and a skeleton of the same bytes (pickle tells 1 from
+    # 1.0 and 0.0 from -0.0, which == does not; flatten keeps a node that flattens the same):
+    # the same plan.
+    same = (last is not None and last.plan.rank == rank and last.plan.settings == sizes
+            and flat.reused == len(flat.tensors) == len(last.flat.tensors))
+    if same and flat.tree is last.flat.tree:  # type: ignore[union-attr]  # same: last is set
+        return LocalState(step, shards, last.plan, last.digest, flat)  # type: ignore[union-attr]
     tree = pickle.dumps(flat.tree)
-    if last is not None and last.plan.rank == rank and last.plan.settings == sizes:
-        # Every tensor the same as last time, and a skeleton of the same bytes (pickle tells
-        # 1 from 1.0 and 0.0 from -0.0, which == does not): the same plan.
-        if flat.reused == len(flat.tensors) == len(last.flat.tensors) and tree == last.plan.tree:
-            return LocalState(step, shards, last.plan, last.digest, flat)
+    if same and tree == last.plan.tree:  # type: ignore[union-attr]
+        return LocalState(step, shards, last.plan, last.digest, flat)  # type: ignore[union-attr]
     plan = LocalPlan.of(rank, [(k, dtypes.name(s.local.dtype), s.global_shape, s.global_offset, tuple(s.local.shape))
                                for k, s in sorted(shards.items())], tree, sizes)
     return LocalState(step, shards, plan, plan.digest(), flat)

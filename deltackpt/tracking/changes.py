@@ -44,7 +44,8 @@ from .. import kernels  # installed from kernels/, see pyproject
 from ..format.encodings import dense_chunk_elems
 from .hashing import Hasher
 from .marks import TableMode, TrackedTable, draw_rows
-from .references import NO_IDS, SMALL_TENSOR_BYTES, Joined, Reference, TensorChange, is_row_sparse, joined_piece
+from .joined import Joined, Layout, lay_out, scan_small
+from .references import NO_IDS, SMALL_TENSOR_BYTES, Reference, TensorChange, is_row_sparse, joined_piece
 from .rows import RowTracker, TrackedGroup
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class ChangeTracker:
         # one's hashes are its reference's (see _adopted_joined). None: join them afresh.
         self._joined: Joined | None = None
         self._scanned_joined: tuple[Joined, list[TensorChange]] | None = None  # of the last scan
+        self._layout: Layout | None = None  # how the last scan of tensors hashed split them
 
     def chunk_elems(self, t: torch.Tensor) -> int:
         """Elements per dense chunk of ``t``, as its delta's chunks are stored."""
@@ -212,7 +214,7 @@ class ChangeTracker:
             return Reference(t.dtype, tuple(t.shape), h, by_rows)
 
         self._refs = {k: ref(k, t) for k, t in tensors.items()}
-        self._joined = self._scanned_joined = None
+        self._joined = self._scanned_joined = self._layout = None
         for group in groups:
             group.table.deltas_since_audit = 0
             group.table.restored(group.rows, tensors[group.keys[0]].device)
@@ -225,51 +227,26 @@ class ChangeTracker:
 
     def _scan_all(self, tensors: dict[str, torch.Tensor]) -> dict[str, TensorChange]:
         """:meth:`_scan_hashes` of every tensor: the small ones hashed in one call
-        (:func:`~deltackpt.kernels.hash_segments`) and compared with their references in one
-        pass over the hashes it joined (the references joined as the last commit left them, when
-        the same tensors were joined the same way), the others in one run of the hasher. An unchanged
-        tensor's change set is its reference's (:meth:`Reference.unchanged`)."""
-        out = {}
-        keys: list[str] = []
-        pieces: list[int] = []
-        small: list[torch.Tensor] = []
-        refs: list[Reference] = []
-        large = {}
-        for key, t in tensors.items():
-            by_rows = t.dim() >= 2 or key in self._aligned
-            ref = self._refs.get(key)
-            if ref is None or not ref.matches(t, by_rows):
-                out[key] = TensorChange(None, None, aligned=self._aligned_1d(key, t))
-                continue
-            if t.is_cpu and t.is_contiguous():
-                if ref.piece is None:  # the same for every tensor the reference matches
-                    ref.piece = self._piece(t, by_rows)
-                if ref.piece:
-                    keys.append(key)
-                    pieces.append(ref.piece)
-                    small.append(t)
-                    refs.append(ref)
-                    continue
-            large[key] = t
-        out.update(self._scan_hashes(large))
-        if keys:
-            last = self._joined
-            if last is not None and last.keys == keys and last.pieces == pieces:
-                ends, before = last.ends, last.hashes
-            else:
-                ends = np.cumsum([t.nbytes // p for t, p in zip(small, pieces)])
-                before = torch.cat([ref.hashes for ref in refs])
-            joined = Joined(keys, pieces, ends, kernels.hash_segments(small, pieces))
-            differs = (joined.hashes != before).nonzero().flatten().numpy()
-            changed = set(np.searchsorted(ends, differs, side="right").tolist())
-            for i, (key, ref) in enumerate(zip(keys, refs)):
-                aligned = key in self._aligned and small[i].dim() == 1  # _aligned_1d
-                if i in changed:
-                    h = joined.of(i)
-                    out[key] = TensorChange((h != ref.hashes).nonzero().flatten(), h, aligned=aligned)
-                else:
-                    out[key] = ref.unchanged(aligned)
-            self._scanned_joined = (joined, [out[k] for k in keys])
+        (:class:`~deltackpt.kernels.Segments`) and compared with their references in one pass
+        over the hashes it joined (see :func:`~deltackpt.tracking.joined.scan_small`), the others in one run of the hasher.
+        How the tensors split is kept from scan to scan while they are the same (:class:`Layout`)."""
+        layout = self._layout
+        if layout is None or not layout.fits(tensors, self._aligned):
+            new = {k: TensorChange(None, None, aligned=self._aligned_1d(k, t)) for k, t in tensors.items()
+                   if (ref := self._refs.get(k)) is None or not ref.matches(t, self.by_rows(k, t))}
+            if new:  # no layout to keep: their references come with the commit
+                self._layout = None
+                new.update(self._scan_hashes({k: t for k, t in tensors.items() if k not in new}))
+                return {k: new[k] for k in tensors}
+            layout = self._layout = lay_out(tensors, self._refs, self._aligned, self._piece)
+        out = self._scan_hashes({k: tensors[k] for k in layout.large})
+        if not layout.small:
+            return out
+        small, joined = scan_small(layout, self._refs, self._aligned, self._joined)
+        self._scanned_joined = (joined, layout.found)
+        if not out:  # in the tensors' order already
+            return small
+        out.update(small)
         return {k: out[k] for k in tensors}
 
     def _adopted_joined(self, changes: dict[str, TensorChange]) -> Joined | None:

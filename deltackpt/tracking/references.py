@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 NO_IDS = torch.empty(0, dtype=torch.int64)
@@ -81,19 +80,3 @@ class Reference:
         if self.same is None or self.same.aligned != aligned:
             self.same = TensorChange(NO_IDS, self.hashes, aligned=aligned)
         return self.same
-
-
-@dataclass(frozen=True)
-class Joined:
-    """The tensors one :func:`~deltackpt.kernels.hash_segments` call hashed: their keys and
-    piece sizes in call order, where each one's hashes end in the joined hashes, and those
-    hashes."""
-
-    keys: list[str]
-    pieces: list[int]
-    ends: np.ndarray
-    hashes: torch.Tensor
-
-    def of(self, i: int) -> torch.Tensor:
-        """The hashes of ``keys[i]``."""
-        return self.hashes[(self.ends[i - 1] if i else 0) : self.ends[i]]

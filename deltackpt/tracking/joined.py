@@ -1,0 +1,117 @@
+"""The small tensors a scan hashes in one call (:class:`~deltackpt.kernels.Segments`): how a scan
+splits a state's tensors, kept from scan to scan while they are the same, and the change sets of
+the small ones found from the hashes of that call (see :mod:`deltackpt.tracking.changes`)."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .. import kernels  # installed from kernels/, see pyproject
+from .references import Reference, TensorChange
+
+
+@dataclass(frozen=True)
+class Joined:
+    """The tensors one :func:`~deltackpt.kernels.hash_segments` call hashed: their keys and
+    piece sizes in call order, where each one's hashes end in the joined hashes, and those
+    hashes."""
+
+    keys: list[str]
+    pieces: list[int]
+    ends: np.ndarray
+    hashes: torch.Tensor
+
+    def of(self, i: int) -> torch.Tensor:
+        """The hashes of ``keys[i]``."""
+        return self.hashes[(self.ends[i - 1] if i else 0) : self.ends[i]]
+
+
+@dataclass
+class Layout:
+    """How a scan split a set of tensors that all have references: the small ones hashed
+    together (``small``: their keys, pieces, joined ends and prepared call), the large ones
+    hashed each on their own. Kept while the next scans get the same tensors (the saver's views
+    of the state, which keep their dtypes and shapes), with the references the last scan found
+    for the small ones, their change sets then (``found``) and which of those it found changed
+    (``dirty``): a scan of thousands of unchanged tiny tensors asks none of them anything but
+    where its bytes lie, and makes no object for any."""
+
+    keys: list[str]
+    tensors: list[torch.Tensor]
+    aligned: frozenset[str]
+    large: list[str]
+    small: list[str]
+    pieces: list[int]
+    ends: np.ndarray
+    segments: kernels.Segments
+    refs: list[Reference]
+    found: list[TensorChange]
+    dirty: set[int]
+
+    def fits(self, tensors: dict[str, torch.Tensor], aligned: set[str]) -> bool:
+        """Whether ``tensors`` are this layout's, in order, the same objects, scanned with the
+        same ``aligned`` keys."""
+        return (len(tensors) == len(self.tensors) and all(map(operator.is_, tensors.values(), self.tensors))
+                and list(tensors) == self.keys and self.aligned == aligned)
+
+
+def lay_out(tensors: Mapping[str, torch.Tensor], refs: Mapping[str, Reference], aligned: set[str],
+            piece: Callable[[torch.Tensor, bool], int]) -> Layout:
+    """The :class:`Layout` of ``tensors``, each with a reference in ``refs`` that it matches;
+    ``piece`` gives a tensor's piece size when hashed by rows or not (0: not small)."""
+    large, small, pieces = [], [], []
+    for key, t in tensors.items():
+        ref = refs[key]
+        if t.is_cpu and t.is_contiguous():
+            if ref.piece is None:  # the same for every tensor the reference matches
+                ref.piece = piece(t, ref.by_rows)
+            if ref.piece:
+                small.append(key)
+                pieces.append(ref.piece)
+                continue
+        large.append(key)
+    held = [tensors[k] for k in small]
+    ends = np.cumsum([t.nbytes // p for t, p in zip(held, pieces)], dtype=np.int64)
+    return Layout(list(tensors), list(tensors.values()), frozenset(aligned), large, small, pieces,
+                  ends, kernels.Segments(held, pieces), [], [], set())
+
+
+def scan_small(layout: Layout, refs: Mapping[str, Reference], aligned: set[str], last: Joined | None
+               ) -> tuple[dict[str, TensorChange], Joined]:
+    """The change sets of ``layout``'s small tensors, hashed in one call and compared with their
+    references joined (``last``: as the last commit left them, when it joined the same tensors
+    the same way), and that call's hashes. An unchanged tensor's change set is its reference's
+    (:meth:`Reference.unchanged`), kept in the layout with the reference: only those of the
+    tensors changed now or at the last scan, or whose reference is new, are made again."""
+    keys = layout.small
+    joined = Joined(keys, layout.pieces, layout.ends, layout.segments.hash())
+    now = list(map(refs.__getitem__, keys))
+    if last is not None and last.keys == keys and last.pieces == layout.pieces:
+        before = last.hashes
+    else:
+        before = torch.cat([ref.hashes for ref in now])
+    differs = (joined.hashes != before).nonzero().flatten().numpy()
+    changed = set(np.searchsorted(layout.ends, differs, side="right").tolist())
+
+    def made(i: int) -> TensorChange:
+        key, ref = keys[i], now[i]
+        one_d = key in aligned and layout.segments.tensors[i].dim() == 1  # ChangeTracker._aligned_1d
+        if i not in changed:
+            return ref.unchanged(one_d)
+        h = joined.of(i)
+        return TensorChange((h != ref.hashes).nonzero().flatten(), h, aligned=one_d)
+
+    if len(layout.refs) == len(now):
+        same = np.fromiter(map(operator.is_, now, layout.refs), dtype=bool, count=len(now))
+        found = list(layout.found)
+        for i in changed | layout.dirty | set(np.flatnonzero(~same).tolist()):
+            found[i] = made(i)
+    else:  # the layout's first scan
+        found = [made(i) for i in range(len(now))]
+    layout.refs, layout.found, layout.dirty = now, found, changed
+    return dict(zip(keys, found)), joined
