@@ -39,7 +39,7 @@ import resource
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import replace
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,14 +181,13 @@ def _stand_in(*names: object) -> str:
     return xxhash.xxh3_64_hexdigest(repr(names).encode())
 
 
-def written(save: SavePlan, rank: int, items: tuple[WriteItem, ...], held: Mapping[tuple[str, str], int],
+def written(save: SavePlan, rank: int, items: tuple[WriteItem, ...], held: Sequence[int],
             sizes: tuple[int, int]) -> WriteResult:
     """What ``rank``'s writers report for ``items``, holding ``held`` rows or chunks."""
     files: dict[tuple[str, str], ChunkMap] = {}
     pack_size = 0
-    for it in items:
+    for it, n in zip(items, held):
         t, box = it.tensor, it.part.box
-        n = held[(it.key, it.part.path)]
         enc = choose(save.kind, tuple(t.shape), False)
         cs = enc.chunk_shape(box.shape, t.element_size(), n, sizes, None)
         names = [(a.chunk(i), _stored(a.chunk_bytes, a.coded))
@@ -431,7 +430,7 @@ def simulate(world: int, state_of: StateOf, *, changed: Changed, sizes: tuple[in
         def table(r: int) -> tuple[Written, float]:
             items = ranks.items(plan, r, mine[r][0])
             scans = scans_of(r)  # kept by the rank since its scan
-            held = counts(save.kind, ((i.key, i.part) for i in items), scans)
+            held = counts(save.kind, (i.part for i in items), scans)
             result = written(save, r, items, held, sizes)
             shapes = {it.key: plan.tensors[it.key].global_shape for it in items}
             # A rank run in full keeps what its saves share, as its checkpointer does (the

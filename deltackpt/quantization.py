@@ -199,8 +199,8 @@ class QuantizePlan:
         Raises:
             QuantizationError: a pattern names a tensor that cannot be quantized row-wise.
         """
-        out = {}
-        for t in tensors.values():
+        out: dict[str, Choice] = {}
+        for t in tensors.values() if self.rules else ():
             choice = self.choose(t.key, restores=self.restores)
             if choice is not None:
                 quantizable(t.key, t.dtype, t.global_shape)

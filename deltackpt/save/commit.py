@@ -40,7 +40,6 @@ from ..ops.lease import Holding
 from ..ops.lease import read as read_lease
 from ..store import Store
 from ..quantization import Rowwise
-from .decide import tensor_bytes
 from .planner import GlobalPlan
 from .stage import described
 from .types import Kind, SavePlan, WriteItem, WriteResult, Written
@@ -61,12 +60,12 @@ class Reuse:
 
 @paused()
 def part_table(save: SavePlan, rank: int, items: Sequence[WriteItem], index: Sequence[int],
-               shapes: Mapping[str, tuple[int, ...]], held: Mapping[tuple[str, str], int],
+               shapes: Mapping[str, tuple[int, ...]], held: Sequence[int],
                result: WriteResult, sizes: tuple[int, int], aligned: Collection[str] = (),
                reuse: Reuse | None = None) -> tuple[bytes | None, Written]:
     """A writing rank's part table and what it tells the coordinator: each part of ``items`` (the
     parts it writes, each tensor's place in the root ``index`` and its global shape in
-    ``shapes``), holding ``held`` rows or chunks, with the chunks ``result`` lists and the zarr
+    ``shapes``), holding ``held`` rows or chunks each, with the chunks ``result`` lists and the zarr
     metadata the coordinator wrote for it (see :func:`~deltackpt.save.stage.describe`). The table
     is None for a rank that writes no part. ``aligned``: this rank's 1-d tensors whose changes
     are rows (see :class:`~deltackpt.save.scan.PartScan`). ``reuse``: what the rank's last
@@ -80,7 +79,7 @@ def part_table(save: SavePlan, rank: int, items: Sequence[WriteItem], index: Seq
     made: dict[tuple[Any, ...], tuple[TensorRecord, tuple[int, ...], tuple[int, str] | None, bool]] = {}
     for n, (it, i) in enumerate(zip(items, index)):
         key, part, t = it.key, it.part, it.tensor
-        changed = held[(key, part.path)]
+        changed = held[n]
         if unchanged is not None and not changed and (key, part.path) not in result.files:
             kept = unchanged[n]
             if kept is not None:  # as the entry below makes it
@@ -264,7 +263,7 @@ def _plan_pieces(plan: GlobalPlan, reuse: Reuse) -> _PlanPieces:
     pieces = reuse.plan
     if pieces is None or pieces.plan is not plan:
         pieces = reuse.plan = _PlanPieces(plan, json.dumps(plan.tree, separators=(",", ":"), allow_nan=False),
-                                          sum(tensor_bytes(t) for t in plan.tensors.values()))
+                                          plan.state_bytes)
     return pieces
 
 

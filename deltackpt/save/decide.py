@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 
-import torch
-
 from ..errors import StateError
-from ..format import dtypes
 from ..format.manifest import Manifest
 from ..policy import BasePolicy, ChainState
 from ..quantization import Choice
 from ..store import Store
-from .planner import GlobalPlan, PartPlan, TensorPlan
+from .planner import GlobalPlan, PartPlan
 from .scan import PartScan, ScanSummary
 from .types import Kind, SavePlan
 
@@ -50,8 +45,7 @@ def decide(policy: BasePolicy, head: Manifest | None, chain: ChainState, plan: G
     elif not all(s.complete for s in scans):
         kind, reason = Kind.BASE, "a tensor is new, or its dtype, shape or layout changed"
     else:
-        full_bytes = sum(tensor_bytes(t) for t in plan.tensors.values())
-        decision = policy.decide(chain, sum(s.delta_bytes for s in scans), full_bytes)
+        decision = policy.decide(chain, sum(s.delta_bytes for s in scans), plan.state_bytes)
         kind, reason = Kind(decision.kind), decision.reason
     return SavePlan(step, kind, reason, attempt, dict(quantize or {}) if kind == Kind.DELTA else {})
 
@@ -61,20 +55,10 @@ def aligned_keys(scans: Sequence[ScanSummary]) -> set[str]:
     return set().union(*(s.aligned for s in scans))
 
 
-def counts(kind: Kind, parts: Iterable[tuple[str, PartPlan]], scans: Iterable[PartScan]
-           ) -> dict[tuple[str, str], int]:
-    """Rows or chunks each part holds in a step of ``kind``, by (tensor key, part path): in a
-    base every row of ``parts``, in a delta what ``scans`` found changed: of the parts a rank
-    writes, given with its own scans."""
+def counts(kind: Kind, parts: Iterable[PartPlan], scans: Iterable[PartScan]) -> list[int]:
+    """Rows or chunks each part holds in a step of ``kind``, in order: in a base every row of
+    ``parts``, in a delta what ``scans`` found changed: of the parts a rank writes, given with
+    its own scans (one per part, in the same order)."""
     if kind == Kind.BASE:
-        return {(key, p.path): p.box.shape[0] if p.box.shape else 1 for key, p in parts}
-    return {(s.key, s.path): s.changed for s in scans}
-
-
-@functools.cache  # asked once per tensor and save: thousands of times for a state of small tensors
-def itemsize(dtype_name: str) -> int:
-    return torch.empty((), dtype=dtypes.from_name(dtype_name)).element_size()
-
-
-def tensor_bytes(t: TensorPlan) -> int:
-    return math.prod(t.global_shape) * itemsize(t.dtype)
+        return [p.box.shape[0] if p.box.shape else 1 for p in parts]
+    return [s.changed for s in scans]

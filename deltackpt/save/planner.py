@@ -12,14 +12,15 @@ objects of the parts it writes, from its own plan and its :class:`Assignment`.
 
 The plan is deterministic in its input, so a cached plan stays valid while no rank's local plan
 changes. Only the coordinator holds it: the ranks send it their local plans (each only when it
-changed) and receive only the parts they write (each only when the plan changed), so no rank but
-the coordinator receives anything that grows with the world.
+changed) and receive only the parts they write (each only when the plan changed): no rank but it
+receives anything that grows with the world.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -47,8 +48,7 @@ def _same(a: Any, b: Any) -> bool:
 
 @dataclass(frozen=True, eq=False)
 class LocalPlan:
-    """What one rank holds: its tensors' boxes, as columns with a row per tensor in key order,
-    and its state's skeleton.
+    """What one rank holds: its tensors' boxes, as columns (a row per tensor, in key order), and its skeleton.
 
     Attributes:
         rank: the rank.
@@ -167,6 +167,10 @@ class GlobalPlan:
         """Each tensor's part count, the sorted ranks that write its parts and their layout, if
         they follow one (what the root record lists of its parts), made once per plan."""
         return {t.key: (t.count, t.ranks, t.layout) for t in self.tensors.values()}
+
+    @functools.cached_property
+    def state_bytes(self) -> int:  # what a policy weighs a delta against, counted once per plan
+        return sum(math.prod(t.global_shape) * dtypes.from_name(t.dtype).itemsize for t in self.tensors.values())
 
     def __eq__(self, other: object) -> bool:
         return _same(self, other)
@@ -393,5 +397,4 @@ class GlobalPlanner:
             plan = make_global_plan(plans)
             tag = hashlib.sha256("/".join(digests).encode()).hexdigest()[:16]
             self._plan, self._assigned = (digests, tag, plan), _assignments(tag, plan, self._world_size)
-        tag = self._plan[1]
-        return [None if r.holds == tag else self._assigned[rank] for rank, r in enumerate(sent)]
+        return [None if r.holds == self._plan[1] else self._assigned[rank] for rank, r in enumerate(sent)]

@@ -128,7 +128,7 @@ class Saver:
         if coordinator:
             writers.append(StepWriter(storage, f"{STEPS}/{save.attempt}", self._pool, self._executor,
                                       gate=gate))
-        held = counts(save.kind, ((it.key, it.part) for it in items), mine)
+        held = counts(save.kind, (it.part for it in items), mine)
         tensors = {it.key: it.tensor for it in items}
 
         @paused()

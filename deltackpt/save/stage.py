@@ -14,7 +14,7 @@ so the coordinator and the rank that writes a part's chunks agree on the chunk g
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import replace
 from typing import TypeVar
@@ -123,39 +123,41 @@ def open_writer(storage: Storage, save: SavePlan, rank: int, pool: StagingPool,
 
 
 def stage(writers: list[StepWriter], save: SavePlan, items: tuple[WriteItem, ...],
-          changes: Mapping[str, TensorChange], held: Mapping[tuple[str, str], int],
+          changes: Mapping[str, TensorChange], held: Sequence[int],
           sizes: tuple[int, int], *, plan: GlobalPlan | None) -> dict[str, TensorChange]:
-    """Stages every item (holding ``held`` rows or chunks, by tensor key and part path) into
-    ``writers[0]``, and on the coordinator, which passes the global ``plan``, the step's metadata
-    into ``writers[1]``; returns the items' change sets, hashes filled in, once every writer has
-    all of them (:meth:`~deltackpt.io.writer.StepWriter.staged`). On failure every queued write
-    ends and every buffer goes back before the error propagates.
+    """Stages every item (holding ``held`` rows or chunks each) into ``writers[0]``, and on the
+    coordinator, which passes the global ``plan``, the step's metadata into ``writers[1]``;
+    returns the change sets of the items' tensors (``changes``, of exactly those), hashes filled
+    in, once every writer has all of them (:meth:`~deltackpt.io.writer.StepWriter.staged`). On
+    failure every queued write ends and every buffer goes back before the error propagates.
 
     A base's packed parts come last: the pack's file keeps an I/O thread until the pack ends, and
     the files of the large parts, queued before it, must not wait for a thread behind it. Those
-    of small CPU tensors go in together, last (thousands of tiny tensors cost one call)."""
+    of small CPU tensors go in together, last (thousands of tiny tensors cost one call). A
+    delta's parts that hold nothing are not looked at (most of a delta of many tensors')."""
     small: list[WriteItem] = []  # packed parts of small CPU tensors: into the pack in one call
     if save.kind == Kind.BASE:
-        large: list[WriteItem] = []
-        packed: list[WriteItem] = []
-        for it in items:
+        large: list[tuple[WriteItem, int]] = []
+        packed: list[tuple[WriteItem, int]] = []
+        for it, n in zip(items, held):
             if not _packed(it, sizes):
-                large.append(it)
+                large.append((it, n))
             elif is_small(it.tensor):  # into the pack with the others at once
                 small.append(it)
             else:
-                packed.append(it)
-        items = (*large, *packed)
+                packed.append((it, n))
+        work = [*large, *packed]
+    else:
+        work = [(it, n) for it, n in zip(items, held) if n or changes[it.key].partial]
     try:
         if plan is not None:
             describe(writers[1], save, plan, sizes)
-        staged = {it.key: stage_part(writers[0], save.kind, it, changes[it.key],
-                                     held[(it.key, it.part.path)], sizes,
-                                     save.quantize[it.key].rule if it.key in save.quantize else None)
-                  for it in items}
+        staged = dict(changes)
+        for it, n in work:
+            staged[it.key] = stage_part(writers[0], save.kind, it, changes[it.key], n, sizes,
+                                        save.quantize[it.key].rule if it.key in save.quantize else None)
         if small:
             FULL.encode_packed(writers[0], [(it.key, it.part.path, it.tensor, _chunk_shape(it, sizes)) for it in small])
-            staged.update((it.key, changes[it.key]) for it in small)
         for w in writers:
             w.staged()
         return staged

@@ -226,10 +226,10 @@ class ChangeTracker:
         return joined_piece(t, None if by_rows else self.chunk_elems(t) * t.element_size())
 
     def _scan_all(self, tensors: dict[str, torch.Tensor]) -> dict[str, TensorChange]:
-        """:meth:`_scan_hashes` of every tensor: the small ones hashed in one call
-        (:class:`~deltackpt.kernels.Segments`) and compared with their references in one pass
-        over the hashes it joined (see :func:`~deltackpt.tracking.joined.scan_small`), the others in one run of the hasher.
-        How the tensors split is kept from scan to scan while they are the same (:class:`Layout`)."""
+        """:meth:`_scan_hashes` of every tensor: the small ones hashed in one call and compared
+        with their references in one pass (:func:`~deltackpt.tracking.joined.scan_small`), the
+        others in one run of the hasher. How the tensors split is kept from scan to scan while
+        they are the same (:class:`~deltackpt.tracking.joined.Layout`)."""
         layout = self._layout
         if layout is None or not layout.fits(tensors, self._aligned):
             new = {k: TensorChange(None, None, aligned=self._aligned_1d(k, t)) for k, t in tensors.items()
