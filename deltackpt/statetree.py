@@ -63,12 +63,13 @@ class _Flattening:
     strided: set[str] = field(default_factory=set)
     dicts: dict[str, tuple[list[Any], list[str], dict[str, Any]]] = field(default_factory=dict)
 
-    def known(self, obj: Any, path: str) -> Shard | None:
-        """The shard ``reuse`` made of ``obj`` at ``path`` if it still views ``obj`` exactly:
-        the same object, dtype, storage, offset, shape and strides (a ``.data`` swap or an
-        in-place resize changes one). A shard holds its storage, so no new storage can take its
-        place. (``is_set_to`` checks the four last in one call: thousands of tiny tensors pay
-        for each call.)"""
+    def again(self, obj: Any, path: str, last: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The node of ``obj`` at ``path`` (``last``, its node in ``reuse``, if it is that
+        tensor's), taking the shard ``reuse`` made of it if it still views ``obj`` exactly: the
+        same object, dtype, storage, offset, shape and strides (a ``.data`` swap or an in-place
+        resize changes one); None if none does. A shard holds its storage, so no new storage can
+        take its place. (``is_set_to`` checks the four last in one call: thousands of tiny
+        tensors pay for each call, and for each call of this.)"""
         reuse = self.reuse
         t = None if reuse is None else reuse.sources.get(path)
         if t is None or t is not obj or type(t) not in _PLAIN:
@@ -77,7 +78,13 @@ class _Flattening:
         old = shard.local
         if not t.is_set_to(old) or t.dtype != old.dtype or old.dtype.is_complex:
             return None
-        return shard
+        if path in self.tensors:
+            raise StateError(f"two entries of the state map to the key {path!r}")
+        self.tensors[path], self.sources[path] = shard, t
+        self.reused += 1
+        if path in reuse.strided:  # type: ignore[union-attr]
+            self.strided.add(path)
+        return last if last is not None and last.get("tensor") == path else {"tensor": path}
 
 
 def key_part(k: str | int) -> str:
@@ -171,15 +178,9 @@ def _node(obj: Any, path: str, out: _Flattening, depth: int, last: dict[str, Any
     new node for its thousands of tensors)."""
     if depth > MAX_DEPTH:
         raise StateError(f"{path}: the state is nested deeper than {MAX_DEPTH} levels")
+    if (node := out.again(obj, path, last)) is not None:
+        return node
     tensors = out.tensors
-    if (known := out.known(obj, path)) is not None:
-        if path in tensors:
-            raise StateError(f"two entries of the state map to the key {path!r}")
-        tensors[path], out.sources[path] = known, obj
-        out.reused += 1
-        if path in out.reuse.strided:  # type: ignore[union-attr]  # known: reuse is set
-            out.strided.add(path)
-        return last if last is not None and last.get("tensor") == path else {"tensor": path}
     adapter = integration(obj)
     if adapter is not None:
         return _node(adapter.live_state(obj).tree, path, out, depth, None)
@@ -214,7 +215,8 @@ def _node(obj: Any, path: str, out: _Flattening, depth: int, last: dict[str, Any
     if isinstance(obj, float) and not math.isfinite(obj):
         return {"float": repr(obj)}
     if obj is None or isinstance(obj, (bool, int, float, str)):
-        return {"value": obj}
+        # The same object: the same type and bits (1 == 1.0 and 0.0 == -0.0 are not the same).
+        return last if last is not None and "value" in last and last["value"] is obj else {"value": obj}
     raise StateError(
         f"{path or '<root>'}: cannot save a {type(obj).__name__}; use tensors, objects with "
         "state_dict(), dicts, lists, tuples, str, int, float, bool or None"
@@ -229,7 +231,7 @@ def _mapping(obj: Mapping[Any, Any], path: str, out: _Flattening, depth: int) ->
     # Equal keys of the same types (1 == True == 1.0, and keys were checked by type).
     if last is not None and last[0] == keys and all(map(operator.is_, map(type, keys), map(type, last[0]))):
         _, paths, node = last
-        children = [_node(v, p, out, depth + 1, old)
+        children = [out.again(v, p, old) or _node(v, p, out, depth + 1, old)
                     for v, p, (_, old) in zip(obj.values(), paths, node["dict"])]
         if not all(map(operator.is_, children, (old for _, old in node["dict"]))):
             node = {"dict": [[k, c] for k, c in zip(keys, children)]}

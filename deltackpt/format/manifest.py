@@ -8,7 +8,7 @@ and checking one read from a store, :mod:`deltackpt.format.record_checks`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,7 +182,7 @@ class Manifest:
     created: float
     policy: dict[str, Any]
     tree: dict[str, Any]
-    tensors: dict[str, TensorRecord]
+    tensors: Mapping[str, TensorRecord]
     packs: dict[str, ChunkMap]
     bytes_written: int
     state_bytes: int

@@ -45,12 +45,61 @@ def table_bytes(parts: int, dims: int, chunks: int) -> int:
     return HEADER + sum(np.dtype(d).itemsize * counts[n] for _, d, n in COLUMNS)
 
 
-def encode_table(entries: list[tuple[int, TensorRecord, PartRecord]]) -> bytes:
+Entry = tuple[int, TensorRecord, PartRecord]  # a part, with its tensor's index in the root record
+
+
+def encode_table(entries: Sequence[Entry]) -> bytes:
     """The table of one rank's parts, each given with its tensor's index in the root record.
 
     Raises:
         StateError: a chunk name is none of its part's arrays' (a writer's bug, never stored).
     """
+    cols = _columns(entries)
+    return _encoded({name: np.array(cols[name], dtype=d) for name, d, _ in COLUMNS})
+
+
+class Unchanged:
+    """The columns of a table of ``entries`` that hold nothing (a delta's unchanged parts),
+    made once: :meth:`encode` gives the table of the same parts with some of them changed, at
+    the cost of those alone (a delta of thousands of tensors changes a few)."""
+
+    def __init__(self, entries: Sequence[Entry]):
+        cols = _columns(entries)
+        self.parts = {name: np.array(cols[name], dtype=d) for name, d, _ in COLUMNS}
+        self.dims_at = np.cumsum([0, *(len(p.offset) + len(p.shape) + len(p.chunk_shape) for _, _, p in entries)])
+
+    def encode(self, changed: Sequence[tuple[int, Entry]]) -> bytes:
+        """The table with the entry each of ``changed`` gives (by position, ascending) in place of
+        its unchanged one. Raises as :func:`encode_table`."""
+        new = _columns([e for _, e in changed])
+        at = [n for n, _ in changed]
+        cols = dict(self.parts)
+        for name, d, counted in COLUMNS:
+            if counted == "parts":
+                cols[name] = cols[name].copy()
+                cols[name][at] = new[name]
+            elif counted == "chunks":  # the unchanged parts have none
+                cols[name] = np.array(new[name], dtype=d)
+        # The box numbers: the unchanged parts' runs between the changed ones, and theirs.
+        old, start = self.parts["dims"], self.dims_at
+        dims, k, after = [], 0, 0
+        for n, (_, (_, _, part)) in zip(at, changed):
+            width = len(part.offset) + len(part.shape) + len(part.chunk_shape)
+            dims += [old[start[after]:start[n]], np.array(new["dims"][k:k + width], dtype=np.int64)]
+            k, after = k + width, n + 1
+        cols["dims"] = np.concatenate([*dims, old[start[after]:]])
+        return _encoded(cols)
+
+
+def _encoded(cols: dict[str, np.ndarray]) -> bytes:
+    counts = (len(cols["tensor"]), len(cols["dims"]), len(cols["size"]))
+    out = [MAGIC, np.array(counts, dtype="<u8").tobytes()]
+    out += [cols[name].astype(d, copy=False).tobytes() for name, d, _ in COLUMNS]
+    return b"".join(out)
+
+
+def _columns(entries: Sequence[Entry]) -> dict[str, list[int]]:
+    """Each column's values for ``entries``, in order."""
     cols: dict[str, list[int]] = {name: [] for name, _, _ in COLUMNS}
     # A chunk's array and index follow from its name and its array's folder and rank alone: the
     # same for every part of one encoding and rank, whatever its shape.
@@ -79,10 +128,7 @@ def encode_table(entries: list[tuple[int, TensorRecord, PartRecord]]) -> bytes:
             cols["size"].append(entry[0])
             cols["hash"].append(int(entry[1], 16))
             cols["at"].append(entry[2] if len(entry) == 3 else -1)
-    counts = (len(cols["tensor"]), len(cols["dims"]), len(cols["size"]))
-    out = [MAGIC, np.array(counts, dtype="<u8").tobytes()]
-    out += [np.array(cols[name], dtype=d).tobytes() for name, d, _ in COLUMNS]
-    return b"".join(out)
+    return cols
 
 
 def _locate(arrays: dict[str, tuple[int, int]], name: str) -> tuple[int, int]:

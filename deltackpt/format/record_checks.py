@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from ..collector import paused
@@ -23,12 +24,9 @@ from .limits import MAX_DEPTH, MAX_STEP, key_problem, unique_keys
 from .lossy import Lossy
 from .manifest import FORMATS, KINDS, LOSSY_FORMAT, ChunkMap, Manifest, StepSummary, TensorRecord
 from .part_layout import PartLayout, parse_layout
-from .record_io import TableReader, lazy_tensors
+from .record_io import Heads, TableReader, TensorHead, lazy_tensors
 
 MAX_RANKS = 1 << 24  # ranks one tensor's parts may come from
-# A tensor's root fields: dtype, shape, encoding, loss, parts, the ranks whose tables hold them,
-# and where its parts lie by rule (None: its root gives no layout).
-TensorHead = tuple[str, tuple[int, ...], Encoding, Lossy | None, int, list[int], PartLayout | None]
 
 
 @paused()
@@ -159,7 +157,7 @@ def _parse(doc: Any, where: str, read: TableReader) -> Manifest:
         if head is None:
             head = parsed[same] = _parse_tensor(rec, s.format, f"{where}: tensor {key!r}")
         heads[key] = head
-    tensors = lazy_tensors(heads, s.attempt, _tables(doc, where),
+    tensors = lazy_tensors(Heads(heads), s.attempt, _tables(doc, where),
                            {int(name[5:]): pack_room(files) for name, files in packs.items()}, read, where)
     m = Manifest(
         step=s.step,
@@ -201,7 +199,7 @@ def _at(where: _Where) -> str:
     return "/".join([where, *reversed(keys)])
 
 
-def check_tree(node: Any, tensors: dict[str, TensorRecord], where: _Where, depth: int) -> None:
+def check_tree(node: Any, tensors: Mapping[str, TensorRecord], where: _Where, depth: int) -> None:
     """Checks a state skeleton (see deltackpt.statetree): well-formed nodes, known tensors."""
     if depth > MAX_DEPTH:
         raise ManifestError(f"{_at(where)}: nested deeper than {MAX_DEPTH}")
@@ -235,7 +233,7 @@ def check_tree(node: Any, tensors: dict[str, TensorRecord], where: _Where, depth
         raise ManifestError(f"{_at(where)}: unknown node kind {kind!r:.80}")
 
 
-def _check_quantize(doc: dict[str, Any] | None, tensors: dict[str, TensorRecord], where: str) -> None:
+def _check_quantize(doc: dict[str, Any] | None, tensors: Mapping[str, TensorRecord], where: str) -> None:
     if doc is None:
         return
     _count(doc, "restores", f"{where}: field 'quantize'")

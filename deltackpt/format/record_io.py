@@ -269,26 +269,73 @@ class LazyParts(Sequence[PartRecord]):
         return tuple, (self._load(),)
 
 
-def lazy_tensors(heads: dict[str, tuple[str, tuple[int, ...], Encoding, Lossy | None, int, list[int],
-                                        PartLayout | None]],
-                 attempt: str, listed: dict[int, tuple[int, str]], packs: dict[int, int],
-                 read: TableReader, where: str) -> dict[str, TensorRecord]:
-    """A parsed record's tensors from their root fields (dtype, shape, encoding, lossy, parts
-    count, ranks, layout), their parts read from the tables on first use. Tensors of equal
-    fields share what is made of them (thousands of small tensors have a few)."""
-    owners_of: dict[tuple[int, ...], frozenset[int]] = {}
-    heads_of: dict[tuple[Any, ...], TensorRecord] = {}
-    owners, made = [], []
-    for h in heads.values():
-        ranks, fields = tuple(h[5]), h[:4]
-        if ranks not in owners_of:
-            owners_of[ranks] = frozenset(ranks)
-        if fields not in heads_of:
-            heads_of[fields] = TensorRecord(h[0], h[1], h[2], (), h[3])
-        owners.append(owners_of[ranks])
-        made.append(heads_of[fields])
-    tables = Tables(attempt, listed, packs, [len(h[1]) for h in heads.values()], owners, read, where)
-    out = {}
-    for i, (key, h) in enumerate(heads.items()):
-        out[key] = TensorRecord(h[0], h[1], h[2], LazyParts(tables, i, h[4], made[i], h[6], key), h[3])
-    return out
+# A tensor's root fields: dtype, shape, encoding, loss, parts, the ranks whose tables hold them,
+# and where its parts lie by rule (None: its root gives no layout).
+TensorHead = tuple[str, tuple[int, ...], Encoding, Lossy | None, int, list[int], PartLayout | None]
+
+
+class Heads:
+    """A parsed record's tensors' root fields (:data:`TensorHead`, by key), with what is made of them
+    once: each one's place in the root, dimensions, ranks and record without parts. Tensors of
+    equal fields share what is made of them (thousands of small tensors have a few); roots of
+    the same fields share all of it (a writer's commits of one plan)."""
+
+    def __init__(self, heads: dict[str, TensorHead]):
+        owners_of: dict[tuple[int, ...], frozenset[int]] = {}
+        records: dict[tuple[Any, ...], TensorRecord] = {}
+        self.heads = heads
+        self.index = {key: i for i, key in enumerate(heads)}
+        self.ndims = [len(h[1]) for h in heads.values()]
+        self.owners: list[frozenset[int]] = []
+        self.records: list[TensorRecord] = []
+        for h in heads.values():
+            ranks, fields = tuple(h[5]), h[:4]
+            if ranks not in owners_of:
+                owners_of[ranks] = frozenset(ranks)
+            if fields not in records:
+                records[fields] = TensorRecord(h[0], h[1], h[2], (), h[3])
+            self.owners.append(owners_of[ranks])
+            self.records.append(records[fields])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Heads) and self.heads == other.heads
+
+    __hash__ = None  # type: ignore[assignment]  # compared by value, like the dict it holds
+
+
+class LazyTensors(Mapping[str, TensorRecord]):
+    """A parsed record's tensors by key, each made when first asked for, its parts read from the
+    tables on first use (a writer's record is parsed at each commit; most of its thousands of
+    tensors may never be asked for)."""
+
+    def __init__(self, heads: Heads, tables: Tables):
+        self._heads, self._tables = heads, tables
+        self._made: dict[str, TensorRecord] = {}
+
+    def __getitem__(self, key: str) -> TensorRecord:
+        rec = self._made.get(key)
+        if rec is None:
+            h, i = self._heads.heads[key], self._heads.index[key]
+            with self._tables.lock:
+                rec = self._made.get(key)
+                if rec is None:
+                    parts = LazyParts(self._tables, i, h[4], self._heads.records[i], h[6], key)
+                    rec = self._made[key] = TensorRecord(h[0], h[1], h[2], parts, h[3])
+        return rec
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._heads.heads)
+
+    def __len__(self) -> int:
+        return len(self._heads.heads)
+
+    def __reduce__(self) -> tuple[type, tuple[dict[str, TensorRecord]]]:
+        """Pickled (sent to other ranks) as a dict of the records, their parts read here first."""
+        return dict, (dict(self.items()),)
+
+
+def lazy_tensors(heads: Heads, attempt: str, listed: dict[int, tuple[int, str]], packs: dict[int, int],
+                 read: TableReader, where: str) -> LazyTensors:
+    """A parsed record's tensors from their root fields, their parts read from the tables on
+    first use."""
+    return LazyTensors(heads, Tables(attempt, listed, packs, heads.ndims, heads.owners, read, where))

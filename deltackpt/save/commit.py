@@ -16,6 +16,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from ..collector import paused
 from ..errors import StateError, StepExistsError, WriterConflictError
 from ..format import dtypes
@@ -30,10 +32,10 @@ from ..format.manifest import (
     PartRecord,
     TensorRecord,
 )
-from ..format.part_tables import encode_table
+from ..format.part_tables import Entry, Unchanged, encode_table
 from ..format.part_layout import PartLayout
-from ..format.record_checks import TensorHead, pack_room
-from ..format.record_io import checksum, encode_root, lazy_tensors, tensor_entries
+from ..format.record_checks import pack_room
+from ..format.record_io import Heads, TensorHead, checksum, encode_root, lazy_tensors, tensor_entries
 from ..format.zarr_meta import array_doc
 from ..ops.gc import holder_chain
 from ..ops.lease import Holding
@@ -52,9 +54,9 @@ class Reuse:
     leaves unchanged, and the coordinator's plan's encoded pieces (see :class:`_PlanPieces`).
     Each checkpointer keeps its own, so two saving in turn keep theirs."""
 
-    # The entries of a rank's unchanged delta parts under its last assignment (by the tensors'
+    # The table of a rank's delta parts all unchanged under its last assignment (by the tensors'
     # indexes in the root, which the assignment keeps from save to save): the same at every delta.
-    unchanged: tuple[tuple[Any, ...], list[tuple[int, TensorRecord, PartRecord] | None]] | None = None
+    unchanged: tuple[tuple[Any, ...], Unchanged] | None = None
     plan: _PlanPieces | None = None  # the coordinator's plan stays the same from save to save
 
 
@@ -70,67 +72,75 @@ def part_table(save: SavePlan, rank: int, items: Sequence[WriteItem], index: Seq
     is None for a rank that writes no part. ``aligned``: this rank's 1-d tensors whose changes
     are rows (see :class:`~deltackpt.save.scan.PartScan`). ``reuse``: what the rank's last
     saves left to be kept (None: every entry made afresh)."""
-    entries = []
-    files = 0
-    rows = 0
-    unchanged = None if reuse is None else _unchanged_parts(save, rank, index, sizes, aligned, reuse)
+    unchanged = None if reuse is None else _unchanged_parts(save, rank, items, index, shapes, sizes, aligned, reuse)
+    entries: list[tuple[int, Entry]] = []
+    files = rows = 0
     # What a part's entry is made of but its place and chunks, by what that depends on (without a
     # quantization rule): thousands of small tensors come in a few dtypes and shapes.
     made: dict[tuple[Any, ...], tuple[TensorRecord, tuple[int, ...], tuple[int, str] | None, bool]] = {}
-    for n, (it, i) in enumerate(zip(items, index)):
-        key, part, t = it.key, it.part, it.tensor
-        changed = held[n]
-        if unchanged is not None and not changed and (key, part.path) not in result.files:
-            kept = unchanged[n]
-            if kept is not None:  # as the entry below makes it
-                entries.append(kept)
-                continue
-        rule = save.quantize[key].rule if key in save.quantize else None
-        at = (t.dtype, shapes[key], part.box.shape, changed, key in aligned) if rule is None else None
-        got = made.get(at) if at is not None else None
-        if got is None:
-            enc = choose(save.kind, shapes[key], rule is not None, key in aligned)
-            cs = enc.chunk_shape(part.box.shape, t.element_size(), changed, sizes, rule)
-            meta = None
-            for a in described(save.kind, t.dtype, shapes[key], part.box.shape, sizes):
-                if not a.name:  # the part's own array (the only one of a base's part)
-                    doc = array_doc(a.shape, a.chunk_shape, a.dtype, raw=not a.coded)
-                    meta = (len(doc), checksum(doc))
-            got = (TensorRecord(dtypes.name(t.dtype), shapes[key], enc, ()), cs, meta,
-                   save.kind == Kind.DELTA or in_pack(part.box.shape, t.element_size(), cs))
-            if at is not None:
-                made[at] = got
-        record, cs, meta, in_a_pack = got
-        chunks: ChunkMap = dict(result.files.get((key, part.path), {}))
-        if meta is not None:
-            chunks["zarr.json"] = meta
-        # A part without chunks (nothing changed, or no elements) is in no pack.
-        packed = bool(chunks) and in_a_pack
-        files += sum(e[0] for e in chunks.values() if len(e) == 2)
-        rows += changed if t.dim() >= 2 else 0
-        entries.append((i, record,
-                        PartRecord(part.box.offset, part.box.shape, part.path, cs, changed, chunks,
-                                   pack_name(rank) if packed else None, rank)))
-        if unchanged is not None and not changed and not chunks:
-            unchanged[n] = entries[-1]
-    table = encode_table(entries) if entries else None
+    chosen = range(len(items)) if unchanged is None else np.flatnonzero(np.asarray(held, dtype=np.int64)).tolist()
+    for n in chosen:
+        it, changed = items[n], held[n]
+        entries.append((n, _entry(save, rank, it, index[n], shapes[it.key], changed,
+                                  result.files.get((it.key, it.part.path), {}), sizes, it.key in aligned, made)))
+        files += sum(e[0] for e in entries[-1][1][2].chunks.values() if len(e) == 2)
+        rows += changed if it.tensor.dim() >= 2 else 0
+    if unchanged is not None:  # a delta: only its parts that hold something have chunks
+        places = {(items[n].key, items[n].part.path) for n, _ in entries}
+        if stray := [k for k in result.files if k not in places]:
+            raise StateError(f"{stray[0][0]!r}: a delta wrote chunks of a part that holds nothing")
+    table = (None if not items else encode_table([e for _, e in entries]) if unchanged is None
+             else unchanged.encode(entries))
     files += sum(e[0] for chunks in result.packs.values() for e in chunks.values() if len(e) == 2)
     return table, Written(None if table is None else (len(table), checksum(table)), dict(result.packs), files,
                           rows, dict(result.bounds))
 
 
-def _unchanged_parts(save: SavePlan, rank: int, index: Sequence[int], sizes: tuple[int, int],
-                     aligned: Collection[str], reuse: Reuse
-                     ) -> list[tuple[int, TensorRecord, PartRecord] | None] | None:
-    """The table entries of the parts of a delta's ``index`` made so far for a part that holds
-    nothing (by position; None where none was made yet), or None for a save whose entries are
-    not kept (a base, a quantized delta)."""
+def _entry(save: SavePlan, rank: int, it: WriteItem, index: int, shape: tuple[int, ...], changed: int,
+           chunks: ChunkMap, sizes: tuple[int, int], aligned: bool, made: dict[tuple[Any, ...], Any]) -> Entry:
+    """The table entry of part ``it`` (its tensor ``index`` in the root, of global ``shape``),
+    holding ``changed`` rows or chunks in ``chunks``; ``made`` keeps what entries of equal
+    fields share."""
+    key, part, t = it.key, it.part, it.tensor
+    rule = save.quantize[key].rule if key in save.quantize else None
+    at = (t.dtype, shape, part.box.shape, changed, aligned) if rule is None else None
+    got = made.get(at) if at is not None else None
+    if got is None:
+        enc = choose(save.kind, shape, rule is not None, aligned)
+        cs = enc.chunk_shape(part.box.shape, t.element_size(), changed, sizes, rule)
+        meta = None
+        for a in described(save.kind, t.dtype, shape, part.box.shape, sizes):
+            if not a.name:  # the part's own array (the only one of a base's part)
+                doc = array_doc(a.shape, a.chunk_shape, a.dtype, raw=not a.coded)
+                meta = (len(doc), checksum(doc))
+        got = (TensorRecord(dtypes.name(t.dtype), shape, enc, ()), cs, meta,
+               save.kind == Kind.DELTA or in_pack(part.box.shape, t.element_size(), cs))
+        if at is not None:
+            made[at] = got
+    record, cs, meta, in_a_pack = got
+    chunks = dict(chunks)
+    if meta is not None:
+        chunks["zarr.json"] = meta
+    # A part without chunks (nothing changed, or no elements) is in no pack.
+    packed = bool(chunks) and in_a_pack
+    return index, record, PartRecord(part.box.offset, part.box.shape, part.path, cs, changed, chunks,
+                                     pack_name(rank) if packed else None, rank)
+
+
+def _unchanged_parts(save: SavePlan, rank: int, items: Sequence[WriteItem], index: Sequence[int],
+                     shapes: Mapping[str, tuple[int, ...]], sizes: tuple[int, int], aligned: Collection[str],
+                     reuse: Reuse) -> Unchanged | None:
+    """The table of a delta's ``items`` all unchanged, made once for them under their ``index``
+    (see :class:`~deltackpt.format.part_tables.Unchanged`), or None for a save whose table is
+    made whole (a base, a quantized delta)."""
     if save.kind != Kind.DELTA or save.quantize:
         return None
     at = (index, rank, sizes, frozenset(aligned))
     last = reuse.unchanged
     if last is None or last[0][0] is not index or last[0][1:] != at[1:]:
-        last = reuse.unchanged = at, [None] * len(index)
+        made: dict[tuple[Any, ...], Any] = {}
+        last = reuse.unchanged = at, Unchanged([_entry(save, rank, it, i, shapes[it.key], 0, {}, sizes, it.key in aligned, made)
+                                                for it, i in zip(items, index)])
     return last[1]
 
 
@@ -156,7 +166,7 @@ class _Root:
     tables: dict[int, tuple[int, str]]
     held: dict[str, tuple[int, list[int], PartLayout | None]]
     fields: dict[str, str]
-    heads: dict[str, TensorHead] | None
+    heads: Heads | None
 
     def encode(self) -> bytes:
         return encode_root(self.m, self.tables, self.held, encoded=self.fields)
@@ -199,7 +209,7 @@ def _root(save: SavePlan, plan: GlobalPlan, written: Sequence[Written], *, head:
         if at not in pieces.entries:
             records = {t.key: TensorRecord(t.dtype, t.global_shape, choose(kind, t.global_shape, False, t.key in aligned), ())
                        for t in plan.tensors.values()}
-            pieces.entries[at] = tensor_entries(records, plan.writers), _heads(records, plan.writers)
+            pieces.entries[at] = tensor_entries(records, plan.writers), Heads(_heads(records, plan.writers))
         encoded["tensors"], heads = pieces.entries[at]
     else:
         for t in plan.tensors.values():
@@ -245,7 +255,7 @@ class _PlanPieces:
     plan: GlobalPlan
     tree: str
     state_bytes: int
-    entries: dict[tuple[Kind, frozenset[str]], tuple[str, dict[str, TensorHead]]] = field(default_factory=dict)
+    entries: dict[tuple[Kind, frozenset[str]], tuple[str, Heads]] = field(default_factory=dict)
 
 
 def _heads(tensors: Mapping[str, TensorRecord], held: Mapping[str, tuple[int, list[int], PartLayout | None]]

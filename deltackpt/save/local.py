@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import operator
 import pickle
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .. import statetree
@@ -49,7 +50,17 @@ def plan_local(step: int, state: Mapping[str, Any], rank: int, sizes: tuple[int,
     return LocalState(step, shards, plan, plan.digest(), flat)
 
 
-def write_items(parts: Iterable[tuple[str, PartPlan]], local: LocalState) -> tuple[WriteItem, ...]:
+def write_items(parts: Sequence[tuple[str, PartPlan]], local: LocalState,
+                last: tuple[Sequence[tuple[str, PartPlan]], tuple[WriteItem, ...]] | None = None
+                ) -> tuple[WriteItem, ...]:
     """The ``parts`` a rank writes (see :meth:`~deltackpt.save.planner.Assignment.parts`), with
-    its tensors that hold them."""
-    return tuple(WriteItem(key, part, local.shards[key].local) for key, part in parts)
+    its tensors that hold them; ``last``'s items (the rank's last parts and items) again if they
+    are of the same parts and shards (a save of an unchanged layout makes no item)."""
+    shards = local.shards
+    if last is not None and last[0] is parts and all(map(operator.is_, map(_TENSOR, last[1]), map(
+            _LOCAL, map(shards.__getitem__, map(_KEY, parts))))):
+        return last[1]
+    return tuple(WriteItem(key, part, shards[key].local) for key, part in parts)
+
+
+_TENSOR, _LOCAL, _KEY = operator.attrgetter("tensor"), operator.attrgetter("local"), operator.itemgetter(0)

@@ -36,7 +36,7 @@ from .commit import Reuse, commit, part_table
 from .decide import aligned_keys, counts, decide
 from .local import plan_local, write_items
 from .planner import Assignment, GlobalPlanner, PartPlan, PlanRequest
-from .scan import PartScan, ScanSummary, scan
+from .scan import Scanned, ScanSummary, scan
 from .stage import open_writer, stage, write
 from .types import Committed, Kind, LocalState, SaveInfo, SavePlan, WriteItem, WriteResult, Written
 
@@ -82,6 +82,8 @@ class Saver:
         self._lease = lease.Claim(store.storage, ttl=lease_ttl, take_over=take_over)
         self._reuse = Reuse()  # what the records of its saves share, kept from save to save
         self._packer = started_pool(1, "deltackpt-pack")  # appends a delta's gathered rows
+        self._items: tuple[tuple[tuple[str, PartPlan], ...], tuple[WriteItem, ...]] | None = None  # the last save's
+        self._scanned: Scanned | None = None  # their last scan
 
     @paused()  # per-tensor objects by the thousand, no cycles: collections would walk them all
     def stage(self, step: int, state: Mapping[str, Any], t0: float, *, blocking: bool = True
@@ -112,12 +114,12 @@ class Saver:
                           attempt=attempt, store=self.store, published=None if gate is not None else published,
                           quantize=self._quantize.choices(plan.tensors))
 
-        def scan_here() -> tuple[ScanSummary, tuple[list[PartScan], Mapping[str, TensorChange]]]:
-            scans, changes = scan(self._tracker, items, self._quantize)
-            return ScanSummary.of(scans), (scans, changes)
+        def scan_here() -> tuple[ScanSummary, Scanned]:
+            self._scanned = scan(self._tracker, items, self._quantize, self._scanned)
+            return ScanSummary.of(self._scanned.scans), self._scanned
 
         try:
-            save, (mine, changes) = self._coll.gather("scan", scan_here, decide_now, then_phase="decide")
+            save, scanned = self._coll.gather("scan", scan_here, decide_now, then_phase="decide")
         except BaseException:
             if published is not None:
                 wait([published])  # never left running behind a failed save
@@ -128,8 +130,8 @@ class Saver:
         if coordinator:
             writers.append(StepWriter(storage, f"{STEPS}/{save.attempt}", self._pool, self._executor,
                                       gate=gate))
+        mine, changes, tensors = scanned.scans, scanned.changes, scanned.tensors
         held = counts(save.kind, (it.part for it in items), mine)
-        tensors = {it.key: it.tensor for it in items}
 
         @paused()
         def stage_here() -> dict[str, TensorChange]:
@@ -260,7 +262,8 @@ class Saver:
             self._shapes = {k: s.global_shape for k, s in local.shards.items()}
         if self._assignment is None:
             raise StateError("no plan: the coordinator sent none for a first save")
-        return write_items(self._parts, local)
+        self._items = self._parts, write_items(self._parts, local, self._items)
+        return self._items[1]
 
     def _plan_local(self, step: int, state: Mapping[str, Any]) -> tuple[PlanRequest, LocalState]:
         """This rank's local state, and what the coordinator needs of it (the plan only when it

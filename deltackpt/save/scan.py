@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -74,15 +76,39 @@ def summarize(key: str, path: str, t: torch.Tensor, change: TensorChange,
     return PartScan(key, path, True, n, n * chunk_elems(t) * t.element_size())
 
 
-def scan(tracker: ChangeTracker, items: tuple[WriteItem, ...], quantize: QuantizePlan | None = None
-         ) -> tuple[list[PartScan], Mapping[str, TensorChange]]:
+@dataclass(frozen=True)
+class Scanned:
+    """A rank's scan of the items it writes: their tensors by key, each one's change set, and
+    each item's change set and part scan, in order."""
+
+    items: tuple[WriteItem, ...]
+    tensors: dict[str, torch.Tensor]
+    changes: Mapping[str, TensorChange]
+    found: list[TensorChange]
+    scans: list[PartScan]
+
+
+def scan(tracker: ChangeTracker, items: tuple[WriteItem, ...], quantize: QuantizePlan | None = None,
+         last: Scanned | None = None) -> Scanned:
     """The change set of every item's tensor, and its summary for the coordinator (sized as
-    quantized for the tensors a ``quantize`` rule names)."""
-    tensors = {it.key: it.tensor for it in items}
+    quantized for the tensors a ``quantize`` rule names). ``last``: the rank's last scan; of the
+    same ``items`` (the same tuple), an item whose change set is the same object as then (an
+    unchanged tensor's, see :meth:`~deltackpt.tracking.references.Reference.unchanged`) keeps
+    its part scan: thousands of unchanged tensors cost no object each."""
+    again = last is not None and last.items is items
+    tensors = last.tensors if again else {it.key: it.tensor for it in items}  # type: ignore[union-attr]
     changes = tracker.scan(tensors)
+    found = [changes[it.key] for it in items]
     rules = {it.key: c.rule for it in items if quantize is not None and quantize.rules
              and (c := quantize.choose(it.key, restores=quantize.restores)) is not None}
-    scans = [summarize(it.key, it.part.path, it.tensor, changes[it.key], tracker.chunk_elems,
-                       rules.get(it.key))
-             for it in items]
-    return scans, changes
+
+    def made(it: WriteItem, change: TensorChange) -> PartScan:
+        return summarize(it.key, it.part.path, it.tensor, change, tracker.chunk_elems, rules.get(it.key))
+
+    if again and not rules:
+        scans = list(last.scans)  # type: ignore[union-attr]
+        for i in itertools.compress(range(len(items)), map(operator.is_not, found, last.found)):  # type: ignore[union-attr]
+            scans[i] = made(items[i], found[i])
+    else:
+        scans = [made(it, ch) for it, ch in zip(items, found)]
+    return Scanned(items, tensors, changes, found, scans)

@@ -35,6 +35,8 @@ are the row hashes the restore's reads took from the rows they wrote (:mod:`delt
 from __future__ import annotations
 
 import logging
+import itertools
+import operator
 from collections.abc import Mapping
 
 import numpy as np
@@ -49,6 +51,7 @@ from .references import NO_IDS, SMALL_TENSOR_BYTES, Reference, TensorChange, is_
 from .rows import RowTracker, TrackedGroup
 
 log = logging.getLogger(__name__)
+_SAME = operator.attrgetter("same")
 
 
 class ChangeTracker:
@@ -127,10 +130,17 @@ class ChangeTracker:
               base: bool = False) -> None:
         """Makes the scanned hashes the reference and drops the marks the save used, after the
         save that used them committed; a ``base`` restarts the tables' audit counts (its change
-        sets come from :meth:`hash_whole`)."""
-        refs = {}
-        for key, t in tensors.items():
-            ch = changes[key]
+        sets come from :meth:`hash_whole`). Of the same tensors as the references', only those
+        whose change set is not their reference's "unchanged" are looked at."""
+        keys = list(tensors)
+        if len(keys) == len(self._refs) and all(map(self._refs.__contains__, keys)):
+            refs = dict(self._refs)
+            keys = list(itertools.compress(keys, map(operator.is_not, map(changes.__getitem__, keys),
+                                                     map(_SAME, map(refs.__getitem__, keys)))))
+        else:
+            refs = {}
+        for key in keys:
+            t, ch = tensors[key], changes[key]
             ref = self._refs.get(key)
             if ref is not None and ch is ref.same:  # unchanged: the reference stays
                 refs[key] = ref
@@ -254,10 +264,11 @@ class ChangeTracker:
         tensor hashed in its one call: their hashes are then the new references, joined (an
         unchanged tensor's reference stays, equal to its hashes). Else None."""
         scanned, self._scanned_joined = self._scanned_joined, None
-        if scanned is None or not all(changes.get(k) is ch for k, ch in zip(scanned[0].keys, scanned[1])):
+        if scanned is None or not all(map(operator.is_, map(changes.get, scanned[0].keys), scanned[1])):
             return None
-        for key, piece in zip(scanned[0].keys, scanned[0].pieces):  # as _scan_all would find them
-            self._refs[key].piece = piece
+        if self._layout is None or scanned[0].keys is not self._layout.small:  # a base's (hash_whole)
+            for key, piece in zip(scanned[0].keys, scanned[0].pieces):  # as lay_out would find them
+                self._refs[key].piece = piece
         return scanned[0]
 
     def _aligned_1d(self, key: str, t: torch.Tensor) -> bool:

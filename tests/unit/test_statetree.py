@@ -66,3 +66,23 @@ def test_every_walker_joins_keys_as_flatten_does(tmp_path):
         assert e.value.missing == ["odd%2Fa%25b/t"]
         (out,) = write_step(ckpt, 1, str(tmp_path / "ranks"), world_size=1)
     assert sorted(torch.load(out, weights_only=True)["shards"]) == keys
+
+
+def test_a_kept_node_and_shard_never_hide_a_change_of_view_dtype_key_type_or_value():
+    # flatten keeps the shards and nodes of a state flattened the same; a tensor viewed anew in
+    # place (transposed, retyped), a key of another type that compares equal, a new value: each
+    # is seen.
+    square, flat = torch.arange(9.0).reshape(3, 3), torch.zeros(4)
+    state = {"sq": square, "v": flat, 1: torch.ones(2), "n": 3}
+    first = flatten(state)
+    same = flatten(state, reuse=first)
+    assert same.tree is first.tree and same.reused == 3
+    square.t_()  # the same object, storage, offset and shape: its strides change
+    flat.data = flat.data.view(torch.int32)  # the same bytes as another dtype
+    moved = flatten(state, reuse=same)
+    assert moved.reused == 1 and moved.tree == same.tree
+    assert moved.tensors["sq"].local.stride() == (1, 3) and moved.tensors["v"].local.dtype == torch.int32
+    state["n"] = 4
+    assert flatten(state, reuse=moved).tree != moved.tree
+    with pytest.raises(StateError, match="keys must be str or int"):
+        flatten({"sq": square, "v": flat, True: torch.ones(2), "n": 4}, reuse=moved)

@@ -535,3 +535,26 @@ def test_a_mark_out_of_range_sets_the_ids_before_it():
     with pytest.raises(IndexError, match="row id 10 is out of range for 10 rows"):
         table.mark(torch.tensor([3, 1, 10, 2]))
     assert table.take().tolist() == [1, 3]
+
+
+def test_a_change_undone_after_a_failed_save_is_no_change_and_a_new_one_is_found():
+    # The scans of the same tensors keep how they split them and the change sets they found;
+    # those of the tensors found changed at the last scan are made again even when the save
+    # that scanned them failed (nothing adopted): undone, such a change is none.
+    state = {f"s{i}": torch.randn(3, 4) for i in range(30)} | {"big": torch.randn(40_000)}
+    tracker = ChangeTracker(64)
+    tracker.adopt(state, tracker.hash_whole(state, tracker.scan(state)), base=True)
+    was = state["s4"][1, 2].item()
+    state["s4"][1, 2] = was + 1
+    assert tracker.scan(state)["s4"].changed.tolist() == [1]  # this save fails: no adopt
+    state["s4"][1, 2] = was
+    again = tracker.scan(state)
+    assert not any(ch.changed.numel() for ch in again.values())
+    tracker.adopt(state, again)
+    state["s9"][2, 0] += 1
+    state["big"][39_000] += 1
+    found = tracker.scan(state)
+    assert {k: ch.changed.tolist() for k, ch in found.items() if ch.changed.numel()} == {
+        "s9": [2], "big": [39_000 * 4 // 64]}
+    tracker.adopt(state, found)
+    assert not any(ch.changed.numel() for ch in tracker.scan(state).values())
