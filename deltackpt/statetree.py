@@ -32,7 +32,7 @@ class FlatState:
     Attributes:
         tensors: every tensor by flat key.
         tree: the skeleton.
-        sources: the live plain tensor (``torch.Tensor`` or ``Parameter``) each shard views, by
+        sources: the live plain real tensor (``torch.Tensor`` or ``Parameter``) each shard views, by
             key: what a later :func:`flatten` with ``reuse`` recognises.
         reused: how many shards that :func:`flatten` took from ``reuse``.
         strided: the keys of the shards that are not contiguous.
@@ -76,7 +76,7 @@ class _Flattening:
             return None
         shard = reuse.tensors[path]  # type: ignore[union-attr]  # t is not None: reuse is set
         old = shard.local
-        if not t.is_set_to(old) or t.dtype != old.dtype or old.dtype.is_complex:
+        if not t.is_set_to(old) or t.dtype != old.dtype:
             return None
         if path in self.tensors:
             raise StateError(f"two entries of the state map to the key {path!r}")
@@ -195,7 +195,8 @@ def _node(obj: Any, path: str, out: _Flattening, depth: int, last: dict[str, Any
                              "tensor (it holds no plain data)")
         if isinstance(obj, torch.Tensor) and type(obj) in _PLAIN:
             shard = Shard.whole(obj.detach())
-            out.sources[path] = obj
+            if not obj.is_complex():  # a complex view may differ by its conjugate bit alone
+                out.sources[path] = obj
         else:
             found = as_shard(obj, path)
             shard = Shard(found.local.detach(), global_shape=found.global_shape, global_offset=found.global_offset)

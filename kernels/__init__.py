@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import small
@@ -201,18 +202,19 @@ class Segments:
     def __init__(self, tensors: Sequence[torch.Tensor], pieces: Sequence[int]):
         if len(tensors) != len(pieces):
             raise ValueError(f"{len(tensors)} tensors but {len(pieces)} piece sizes")
-        total = count = 0
+        sizes = []
         for t, p in zip(tensors, pieces):
             n = t.nbytes
             if p <= 0 or not n or n % p or t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError(f"cannot hash a {t.device.type} tensor of {n} bytes "
                                  f"({'' if t.is_contiguous() else 'not '}contiguous) in pieces of {p} bytes")
-            total += n
-            count += n // p
+            sizes.append(n)
         self.tensors, self.pieces = list(tensors), list(pieces)
-        self._sizes: Any = None  # the compiled kernel's arguments, but the addresses
-        if not (count <= small.SMALL_PIECES and total <= small.SMALL_BYTES):
-            self._sizes = __getattr__("reference").segment_sizes(self.tensors, self.pieces)
+        nbytes, steps = np.array(sizes, dtype=np.int64), np.array(pieces, dtype=np.int64)
+        self.ends = np.cumsum(nbytes // steps)  # where each tensor's hashes end among hash()'s
+        count = int(self.ends[-1]) if len(sizes) else 0
+        # The compiled kernel's arguments, but the addresses (None: small enough for small.py).
+        self._sizes = None if count <= small.SMALL_PIECES and sum(sizes) <= small.SMALL_BYTES else (nbytes, steps, count)
 
     def hash(self) -> torch.Tensor:
         """The hashes of every tensor's pieces as its bytes are now, one tensor after another."""
@@ -249,8 +251,7 @@ def warm() -> None:
     reference.hash_rows(torch.zeros(2, 8, dtype=torch.uint8), 1)  # rows of whole 8-byte words
     reference.hash_rows(torch.zeros(2, 3, dtype=torch.uint8), 1)  # rows of any bytes
     reference.hash_chunks(torch.zeros(24, dtype=torch.uint8), 8, 1)
-    segment = [torch.zeros(24, dtype=torch.uint8)]
-    reference.hash_at(segment, *reference.segment_sizes(segment, [8]))
+    reference.hash_at([torch.zeros(24, dtype=torch.uint8)], np.array([24]), np.array([8]), 3)
     mask = torch.zeros(4, dtype=torch.bool)
     reference.mark_rows(mask, torch.tensor([1], dtype=torch.int64))
     reference.mark_rows(mask, torch.tensor([2], dtype=torch.int32))

@@ -296,16 +296,10 @@ def _hash_segments(addresses, sizes, pieces, out):
             k += 1
 
 
-def segment_sizes(tensors: list[torch.Tensor], pieces: list[int]) -> tuple[np.ndarray, np.ndarray, int]:
-    """What :func:`hash_at` needs of CPU tensors but their addresses (:class:`~deltackpt.kernels.Segments` checks them)."""
-    sizes = np.fromiter((t.nbytes for t in tensors), dtype=np.int64, count=len(tensors))
-    steps = np.asarray(pieces, dtype=np.int64)
-    return sizes, steps, int((sizes // steps).sum())
-
-
 def hash_at(tensors: list[torch.Tensor], sizes: np.ndarray, steps: np.ndarray, count: int) -> torch.Tensor:
-    """XXH64 of every piece of each tensor sized by :func:`segment_sizes`, one tensor after another,
-    in one compiled call on the calling thread that reads each tensor where it lies now (no copy)."""
+    """XXH64 of every ``steps[i]``-byte piece of each contiguous CPU tensor of ``sizes[i]`` bytes,
+    ``count`` in all, one tensor after another, in one compiled call on the calling thread that
+    reads each tensor where it lies now (no copy; :class:`~deltackpt.kernels.Segments` checks)."""
     addresses = np.fromiter((t.data_ptr() for t in tensors), dtype=np.int64, count=len(tensors))
     out = np.empty(count, dtype=np.uint64)
     _hash_segments(addresses, sizes, steps, out)

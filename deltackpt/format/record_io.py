@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+from json.encoder import encode_basestring_ascii as _string  # json.dumps's, for a key
 from dataclasses import replace
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, overload
@@ -88,14 +89,24 @@ def encode_root(m: Manifest, tables: Mapping[int, tuple[int, str]],
 def tensor_entries(tensors: Mapping[str, TensorRecord],
                    held: Mapping[str, tuple[int, Sequence[int], PartLayout | None]]) -> str:
     """The root's ``tensors`` field, encoded: each tensor's root fields, with its part count,
-    ranks and layout from ``held`` (see :func:`encode_root`)."""
-    doc = {}
+    ranks and layout from ``held`` (see :func:`encode_root`), as ``json.dumps`` encodes them.
+    Tensors of equal fields without a layout share their encoding (thousands of small tensors
+    have a few)."""
+    made: dict[tuple[Any, ...], str] = {}
+    out = []
     for key, t in tensors.items():
         parts, ranks, layout = held[key]
-        doc[key] = t.root_doc() | {"parts": parts, "ranks": _ranges(ranks)}
-        if layout is not None:
-            doc[key]["layout"] = layout.to_doc()
-    return _dumps(doc)
+        at = (t.dtype, t.shape, t.encoding.name, t.lossy, parts, tuple(ranks)) if layout is None else None
+        entry = made.get(at) if at is not None else None
+        if entry is None:
+            doc = t.root_doc() | {"parts": parts, "ranks": _ranges(ranks)}
+            if layout is not None:
+                doc["layout"] = layout.to_doc()
+            entry = _dumps(doc)
+            if at is not None:
+                made[at] = entry
+        out.append(f"{_string(key)}:{entry}")
+    return "{" + ",".join(out) + "}"
 
 
 def _dumps(value: object) -> str:

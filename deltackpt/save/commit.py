@@ -87,7 +87,7 @@ def part_table(save: SavePlan, rank: int, items: Sequence[WriteItem], index: Seq
         rows += changed if it.tensor.dim() >= 2 else 0
     if unchanged is not None:  # a delta: only its parts that hold something have chunks
         places = {(items[n].key, items[n].part.path) for n, _ in entries}
-        if stray := [k for k in result.files if k not in places]:
+        if stray := [k for k, chunks in result.files.items() if chunks and k not in places]:
             raise StateError(f"{stray[0][0]!r}: a delta wrote chunks of a part that holds nothing")
     table = (None if not items else encode_table([e for _, e in entries]) if unchanged is None
              else unchanged.encode(entries))
@@ -207,8 +207,13 @@ def _root(save: SavePlan, plan: GlobalPlan, written: Sequence[Written], *, head:
         # kind and the aligned tensors alone, and are encoded once for them.
         at = (kind, frozenset(aligned))
         if at not in pieces.entries:
-            records = {t.key: TensorRecord(t.dtype, t.global_shape, choose(kind, t.global_shape, False, t.key in aligned), ())
-                       for t in plan.tensors.values()}
+            shared: dict[tuple[Any, ...], TensorRecord] = {}  # tensors of equal fields share one
+            records = {}
+            for t in plan.tensors.values():
+                f = (t.dtype, t.global_shape, t.key in aligned)
+                if f not in shared:
+                    shared[f] = TensorRecord(t.dtype, t.global_shape, choose(kind, t.global_shape, False, f[2]), ())
+                records[t.key] = shared[f]
             pieces.entries[at] = tensor_entries(records, plan.writers), Heads(_heads(records, plan.writers))
         encoded["tensors"], heads = pieces.entries[at]
     else:

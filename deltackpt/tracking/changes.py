@@ -112,7 +112,9 @@ class ChangeTracker:
 
     def scan(self, tensors: dict[str, torch.Tensor]) -> dict[str, TensorChange]:
         """The change set of every tensor since the last commit: from marks for tracked tables
-        whose marks are complete, from hashes for the rest."""
+        whose marks are complete, from hashes for the rest. A tensor given again as the same
+        object must have kept its dtype, shape and strides (the saver gives its own views of the
+        state, which nothing reshapes): how the last scan split the tensors is kept for it."""
         out: dict[str, TensorChange] = {}
         self._scanned = []
         self._audited = set()
@@ -180,17 +182,15 @@ class ChangeTracker:
     def hash_many(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Joined | None]:
         """:meth:`hash` of every tensor (by key: by rows or chunks as :meth:`by_rows` says); the
         small CPU ones all in one call on the calling thread
-        (:func:`deltackpt.kernels.hash_segments`): a state of thousands of tiny tensors costs
+        (:class:`deltackpt.kernels.Segments`): a state of thousands of tiny tensors costs
         one call, not thousands, and wakes no thread. Returns the hashes by key (those of that
         call are views of its hashes), and what that call hashed, if any."""
         pieces = {k: p for k, t in tensors.items() if (p := self._piece(t, self.by_rows(k, t)))}
         found, joined = {}, None
         if pieces:
-            small = [tensors[k] for k in pieces]
-            sizes = [t.nbytes // p for t, p in zip(small, pieces.values())]
-            joined = Joined(list(pieces), list(pieces.values()), np.cumsum(sizes),
-                             kernels.hash_segments(small, list(pieces.values())))
-            found = dict(zip(pieces, joined.hashes.split(sizes)))
+            segments = kernels.Segments([tensors[k] for k in pieces], list(pieces.values()))
+            joined = Joined(list(pieces), segments.pieces, segments.ends, segments.hash(), segments)
+            found = dict(zip(pieces, joined.hashes.split(np.diff(segments.ends, prepend=0).tolist())))
         rest = [k for k in tensors if k not in found]
         found.update(zip(rest, self._hash_all([(tensors[k], self.by_rows(k, tensors[k])) for k in rest])))
         return {k: found[k] for k in tensors}, joined
@@ -242,13 +242,12 @@ class ChangeTracker:
         they are the same (:class:`~deltackpt.tracking.joined.Layout`)."""
         layout = self._layout
         if layout is None or not layout.fits(tensors, self._aligned):
+            layout = self._layout = lay_out(tensors, self._refs, self._aligned, self._piece, self._joined)
+        if layout is None:  # new tensors: no layout to keep (their references come with the commit)
             new = {k: TensorChange(None, None, aligned=self._aligned_1d(k, t)) for k, t in tensors.items()
                    if (ref := self._refs.get(k)) is None or not ref.matches(t, self.by_rows(k, t))}
-            if new:  # no layout to keep: their references come with the commit
-                self._layout = None
-                new.update(self._scan_hashes({k: t for k, t in tensors.items() if k not in new}))
-                return {k: new[k] for k in tensors}
-            layout = self._layout = lay_out(tensors, self._refs, self._aligned, self._piece)
+            new.update(self._scan_hashes({k: t for k, t in tensors.items() if k not in new}))
+            return {k: new[k] for k in tensors}
         out = self._scan_hashes({k: tensors[k] for k in layout.large})
         if not layout.small:
             return out

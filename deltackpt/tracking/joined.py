@@ -17,14 +17,15 @@ from .references import Reference, TensorChange
 
 @dataclass(frozen=True)
 class Joined:
-    """The tensors one :func:`~deltackpt.kernels.hash_segments` call hashed: their keys and
-    piece sizes in call order, where each one's hashes end in the joined hashes, and those
-    hashes."""
+    """The tensors one :class:`~deltackpt.kernels.Segments` call hashed: their keys and piece
+    sizes in call order, where each one's hashes end in the joined hashes, those hashes, and the
+    call."""
 
     keys: list[str]
     pieces: list[int]
     ends: np.ndarray
     hashes: torch.Tensor
+    segments: kernels.Segments  # the call
 
     def of(self, i: int) -> torch.Tensor:
         """The hashes of ``keys[i]``."""
@@ -61,12 +62,17 @@ class Layout:
 
 
 def lay_out(tensors: Mapping[str, torch.Tensor], refs: Mapping[str, Reference], aligned: set[str],
-            piece: Callable[[torch.Tensor, bool], int]) -> Layout:
-    """The :class:`Layout` of ``tensors``, each with a reference in ``refs`` that it matches;
-    ``piece`` gives a tensor's piece size when hashed by rows or not (0: not small)."""
+            piece: Callable[[torch.Tensor, bool], int], last: Joined | None) -> Layout | None:
+    """The :class:`Layout` of ``tensors``, or None if one has no reference in ``refs`` that it
+    matches (a new tensor, or a new dtype or shape); ``piece`` gives a tensor's piece size when
+    hashed by rows or not (0: not small). ``last``: the joined references, whose call is taken
+    again for the same tensors in the same pieces (a base's, see
+    :meth:`~deltackpt.tracking.changes.ChangeTracker.hash_many`)."""
     large, small, pieces = [], [], []
     for key, t in tensors.items():
-        ref = refs[key]
+        ref = refs.get(key)
+        if ref is None or not ref.matches(t, t.dim() >= 2 or key in aligned):
+            return None
         if t.is_cpu and t.is_contiguous():
             if ref.piece is None:  # the same for every tensor the reference matches
                 ref.piece = piece(t, ref.by_rows)
@@ -76,9 +82,11 @@ def lay_out(tensors: Mapping[str, torch.Tensor], refs: Mapping[str, Reference], 
                 continue
         large.append(key)
     held = [tensors[k] for k in small]
-    ends = np.cumsum([t.nbytes // p for t, p in zip(held, pieces)], dtype=np.int64)
+    same = (last is not None and last.keys == small and last.pieces == pieces
+            and all(map(operator.is_, last.segments.tensors, held)))
+    segments = last.segments if same else kernels.Segments(held, pieces)  # type: ignore[union-attr]
     return Layout(list(tensors), list(tensors.values()), frozenset(aligned), large, small, pieces,
-                  ends, kernels.Segments(held, pieces), [], [], set())
+                  segments.ends, segments, [], [], set())
 
 
 def scan_small(layout: Layout, refs: Mapping[str, Reference], aligned: set[str], last: Joined | None
@@ -89,7 +97,7 @@ def scan_small(layout: Layout, refs: Mapping[str, Reference], aligned: set[str],
     (:meth:`Reference.unchanged`), kept in the layout with the reference: only those of the
     tensors changed now or at the last scan, or whose reference is new, are made again."""
     keys = layout.small
-    joined = Joined(keys, layout.pieces, layout.ends, layout.segments.hash())
+    joined = Joined(keys, layout.pieces, layout.ends, layout.segments.hash(), layout.segments)
     now = list(map(refs.__getitem__, keys))
     if last is not None and last.keys == keys and last.pieces == layout.pieces:
         before = last.hashes

@@ -282,3 +282,23 @@ def test_a_bad_node_deep_in_the_tree_is_named_by_its_path(stored):
     doc["tree"] = {"dict": [["a", {"list": [{"value": 1}, {"dict": [[7, {"tensor": "nope"}]]}]}]]}
     with pytest.raises(ManifestError, match=r"r: field 'tree'/a/1/7: tensor 'nope' is not in 'tensors'"):
         parse(doc, tables)
+
+
+def test_tensor_entries_are_what_json_dumps_makes_of_them():
+    # Entries of equal fields share their encoding; keys are encoded one by one, as json.dumps
+    # encodes them (quotes, backslashes, non-ASCII), and the whole is json.dumps's bytes.
+    from deltackpt.format.encodings import choose
+    from deltackpt.format.manifest import TensorRecord
+    from deltackpt.format.part_layout import describe
+    from deltackpt.format.record_io import tensor_entries
+    from deltackpt.sharding import Box
+
+    keys = ['plain', 'quo"te', 'back\\slash', 'ünï/cødé', 'tab\t', 'emoji 🏖️', 'same', 'same2']
+    recs = {k: TensorRecord("float32", (4, 2) if i % 2 else (3,), choose("delta", (4, 2) if i % 2 else (3,), False), ())
+            for i, k in enumerate(keys)}
+    held = {k: (1, [0], None) for k in keys}
+    held["same2"] = (2, [0, 1, 2, 5], describe((4, 2), [Box((0, 0), (2, 2)), Box((2, 0), (2, 2))], [0, 1]))
+    want = {k: recs[k].root_doc() | {"parts": held[k][0], "ranks": [[r[0], r[-1]] for r in ([[0, 1, 2], [5]] if k == "same2" else [[0]])]}
+            for k in keys}
+    want["same2"]["layout"] = held["same2"][2].to_doc()
+    assert tensor_entries(recs, held) == json.dumps(want, separators=(",", ":"), allow_nan=False)
