@@ -139,8 +139,9 @@ def _unchanged_parts(save: SavePlan, rank: int, items: Sequence[WriteItem], inde
     last = reuse.unchanged
     if last is None or last[0][0] is not index or last[0][1:] != at[1:]:
         made: dict[tuple[Any, ...], Any] = {}
-        last = reuse.unchanged = at, Unchanged([_entry(save, rank, it, i, shapes[it.key], 0, {}, sizes, it.key in aligned, made)
-                                                for it, i in zip(items, index)])
+        entries = [_entry(save, rank, it, i, shapes[it.key], 0, {}, sizes, it.key in aligned, made)
+                   for it, i in zip(items, index)]
+        last = reuse.unchanged = at, Unchanged(entries)
     return last[1]
 
 
