@@ -263,7 +263,7 @@ KEY: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("bench_busy", ("1% delta", "base save")),
     ("bench_async", ("base background: blocked", "1% delta background: blocked",
                      "first background save")),
-    ("bench_small_tensors", ("base save", "one-row delta", "load")),
+    ("bench_small_tensors", ("base save", "one-row delta", "next delta", "load")),
     ("bench_quant", ("incremental only, 8-bit", "8-bit encode")),
     ("bench_export", ("export",)),
     ("bench_control_plane", ("record of save",)),
