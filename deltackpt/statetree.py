@@ -49,6 +49,7 @@ class FlatState:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # the types whose shards flatten may reuse
+_CHILD = operator.itemgetter(1)  # of a mapping's [key, node] pair
 _NO_DICTS: dict[str, tuple[list[Any], list[str], dict[str, Any]]] = {}
 
 
@@ -232,9 +233,10 @@ def _mapping(obj: Mapping[Any, Any], path: str, out: _Flattening, depth: int) ->
     # Equal keys of the same types (1 == True == 1.0, and keys were checked by type).
     if last is not None and last[0] == keys and all(map(operator.is_, map(type, keys), map(type, last[0]))):
         _, paths, node = last
+        olds = list(map(_CHILD, node["dict"]))
         children = [out.again(v, p, old) or _node(v, p, out, depth + 1, old)
-                    for v, p, (_, old) in zip(obj.values(), paths, node["dict"])]
-        if not all(map(operator.is_, children, (old for _, old in node["dict"]))):
+                    for v, p, old in zip(obj.values(), paths, olds)]
+        if not all(map(operator.is_, children, olds)):
             node = {"dict": [[k, c] for k, c in zip(keys, children)]}
         out.dicts[path] = (keys, paths, node)
         return node

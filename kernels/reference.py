@@ -300,7 +300,7 @@ def hash_at(tensors: list[torch.Tensor], sizes: np.ndarray, steps: np.ndarray, c
     """XXH64 of every ``steps[i]``-byte piece of each contiguous CPU tensor of ``sizes[i]`` bytes,
     ``count`` in all, one tensor after another, in one compiled call on the calling thread that
     reads each tensor where it lies now (no copy; :class:`~deltackpt.kernels.Segments` checks)."""
-    addresses = np.fromiter((t.data_ptr() for t in tensors), dtype=np.int64, count=len(tensors))
+    addresses = np.fromiter(map(torch.Tensor.data_ptr, tensors), dtype=np.int64, count=len(tensors))
     out = np.empty(count, dtype=np.uint64)
     _hash_segments(addresses, sizes, steps, out)
     return torch.from_numpy(out.view(np.int64))

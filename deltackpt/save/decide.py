@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 
@@ -61,4 +62,7 @@ def counts(kind: Kind, parts: Iterable[PartPlan], scans: Iterable[PartScan]) -> 
     its own scans (one per part, in the same order)."""
     if kind == Kind.BASE:
         return [p.box.shape[0] if p.box.shape else 1 for p in parts]
-    return [s.changed for s in scans]
+    return list(map(_CHANGED, scans))
+
+
+_CHANGED = operator.attrgetter("changed")

@@ -55,8 +55,12 @@ class ScanSummary:
 
     @classmethod
     def of(cls, scans: Sequence[PartScan]) -> ScanSummary:
-        return cls(all(s.complete for s in scans), sum(s.delta_bytes for s in scans),
-                   frozenset(s.key for s in scans if s.aligned))
+        return cls(all(map(_COMPLETE, scans)), sum(map(_DELTA_BYTES, scans)),
+                   frozenset(s.key for s in itertools.compress(scans, map(_ALIGNED, scans))))
+
+
+_COMPLETE, _DELTA_BYTES, _ALIGNED = (operator.attrgetter(a) for a in ("complete", "delta_bytes", "aligned"))
+_KEY = operator.attrgetter("key")
 
 
 def summarize(key: str, path: str, t: torch.Tensor, change: TensorChange,
@@ -98,9 +102,10 @@ def scan(tracker: ChangeTracker, items: tuple[WriteItem, ...], quantize: Quantiz
     again = last is not None and last.items is items
     tensors = last.tensors if again else {it.key: it.tensor for it in items}  # type: ignore[union-attr]
     changes = tracker.scan(tensors)
-    found = [changes[it.key] for it in items]
-    rules = {it.key: c.rule for it in items if quantize is not None and quantize.rules
-             and (c := quantize.choose(it.key, restores=quantize.restores)) is not None}
+    found = list(map(changes.__getitem__, map(_KEY, items)))
+    rules = {it.key: c.rule for it in items
+             if (c := quantize.choose(it.key, restores=quantize.restores)) is not None
+             } if quantize is not None and quantize.rules else {}
 
     def made(it: WriteItem, change: TensorChange) -> PartScan:
         return summarize(it.key, it.part.path, it.tensor, change, tracker.chunk_elems, rules.get(it.key))

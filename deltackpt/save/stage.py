@@ -14,6 +14,7 @@ so the coordinator and the rank that writes a part's chunks agree on the chunk g
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import replace
@@ -30,7 +31,7 @@ from ..io.staging import StagingPool
 from ..io.writer import StepWriter
 from ..quantization import Rowwise
 from ..storage import Storage
-from ..tracking.changes import NO_IDS, SMALL_TENSOR_BYTES, TensorChange, is_row_sparse
+from ..tracking.changes import SMALL_TENSOR_BYTES, TensorChange, is_row_sparse
 from ..tracking.references import is_small
 from .planner import GlobalPlan
 from .types import Kind, SavePlan, WriteItem, WriteResult
@@ -92,7 +93,7 @@ def stage_part(writer: StepWriter, kind: Kind, item: WriteItem, change: TensorCh
     filled in where the change set left them to the save."""
     t, part = item.tensor, item.part
     if kind == Kind.DELTA and not n:  # nothing changed: nothing to stage
-        return replace(change, hashes=NO_IDS) if change.partial and change.hashes is None else change
+        return change
     enc = choose(kind, tuple(t.shape), rule is not None, change.aligned)
     cs = enc.chunk_shape(part.box.shape, t.element_size(), n, sizes, rule)
     if enc.whole:
@@ -134,7 +135,8 @@ def stage(writers: list[StepWriter], save: SavePlan, items: tuple[WriteItem, ...
     A base's packed parts come last: the pack's file keeps an I/O thread until the pack ends, and
     the files of the large parts, queued before it, must not wait for a thread behind it. Those
     of small CPU tensors go in together, last (thousands of tiny tensors cost one call). A
-    delta's parts that hold nothing are not looked at (most of a delta of many tensors')."""
+    delta's parts that hold nothing are not looked at (most of a delta of many tensors'): their
+    change sets are whole (a partial one that holds nothing has the hashes of nothing)."""
     small: list[WriteItem] = []  # packed parts of small CPU tensors: into the pack in one call
     if save.kind == Kind.BASE:
         large: list[tuple[WriteItem, int]] = []
@@ -148,7 +150,7 @@ def stage(writers: list[StepWriter], save: SavePlan, items: tuple[WriteItem, ...
                 packed.append((it, n))
         work = [*large, *packed]
     else:
-        work = [(it, n) for it, n in zip(items, held) if n or changes[it.key].partial]
+        work = list(itertools.compress(zip(items, held), held))
     try:
         if plan is not None:
             describe(writers[1], save, plan, sizes)

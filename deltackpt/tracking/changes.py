@@ -125,7 +125,7 @@ class ChangeTracker:
         for group in groups:
             out.update(self._scan_group(group, tensors))
             self._scanned.append(group.table)
-        out.update(self._scan_all({k: t for k, t in tensors.items() if k not in out}))
+        out.update(self._scan_all({k: t for k, t in tensors.items() if k not in out} if out else tensors))
         return out
 
     def adopt(self, tensors: dict[str, torch.Tensor], changes: dict[str, TensorChange], *,
@@ -329,7 +329,8 @@ class ChangeTracker:
         ref = self._refs.get(key)
         if ref is None or not ref.matches(t, by_rows):
             return TensorChange(None, None, aligned=aligned)
-        return TensorChange(self._units(key, t, ids), None, partial=True, aligned=aligned)
+        units = self._units(key, t, ids)
+        return TensorChange(units, None if units.numel() else NO_IDS, partial=True, aligned=aligned)
 
     def _canary(
         self, group: TrackedGroup, members: dict[str, torch.Tensor], ids: torch.Tensor
