@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import itertools
+
 import numpy as np
 
 from ..errors import ManifestError, StateError
@@ -58,15 +60,26 @@ def encode_table(entries: Sequence[Entry]) -> bytes:
     return _encoded({name: np.array(cols[name], dtype=d) for name, d, _ in COLUMNS})
 
 
-class Unchanged:
-    """The columns of a table of ``entries`` that hold nothing (a delta's unchanged parts),
-    made once: :meth:`encode` gives the table of the same parts with some of them changed, at
-    the cost of those alone (a delta of thousands of tensors changes a few)."""
+Dims = tuple[int, ...]  # an offset, shape or chunk shape
 
-    def __init__(self, entries: Sequence[Entry]):
-        cols = _columns(entries)
-        self.parts = {name: np.array(cols[name], dtype=d) for name, d, _ in COLUMNS}
-        self.dims_at = np.cumsum([0, *(len(p.offset) + len(p.shape) + len(p.chunk_shape) for _, _, p in entries)])
+
+class Unchanged:
+    """The columns of the table of ``parts`` that hold nothing (a delta's unchanged parts), each
+    as its tensor's index in the root, its path, offset, shape and chunk shape, made once:
+    :meth:`encode` gives the table of the same parts with some of them changed, at the cost of
+    those alone (a delta of thousands of tensors changes a few)."""
+
+    def __init__(self, parts: Sequence[tuple[int, str, Dims, Dims, Dims]]):
+        nothing = np.zeros(len(parts), dtype=np.int64)
+        dims = [p[2] + p[3] + p[4] for p in parts]
+        self.parts = {name: np.array([], dtype=d) for name, d, counted in COLUMNS if counted == "chunks"} | {
+            "tensor": np.array([p[0] for p in parts], dtype="<u4"),
+            "path": np.array([int(p[1][1:]) if p[1] else -1 for p in parts], dtype="<i8"),
+            "changed": nothing, "nchunks": nothing, "packed": nothing.astype("u1"),
+            "cdims": np.array([len(p[4]) for p in parts], dtype="u1"),
+            "dims": np.fromiter(itertools.chain.from_iterable(dims), dtype="<i8"),
+        }
+        self.dims_at = np.cumsum([0, *map(len, dims)])
 
     def encode(self, changed: Sequence[tuple[int, Entry]]) -> bytes:
         """The table with the entry each of ``changed`` gives (by position, ascending) in place of

@@ -138,10 +138,16 @@ def _unchanged_parts(save: SavePlan, rank: int, items: Sequence[WriteItem], inde
     at = (index, rank, sizes, frozenset(aligned))
     last = reuse.unchanged
     if last is None or last[0][0] is not index or last[0][1:] != at[1:]:
-        made: dict[tuple[Any, ...], Any] = {}
-        entries = [_entry(save, rank, it, i, shapes[it.key], 0, {}, sizes, it.key in aligned, made)
-                   for it, i in zip(items, index)]
-        last = reuse.unchanged = at, Unchanged(entries)
+        # Each part as _entry makes it holding nothing: its chunk shape is all that it is made of.
+        shaped: dict[tuple[Any, ...], tuple[int, ...]] = {}
+        parts = []
+        for it, i in zip(items, index):
+            box, t = it.part.box, it.tensor
+            f = (t.dtype, shapes[it.key], box.shape, it.key in aligned)
+            if f not in shaped:
+                shaped[f] = choose(save.kind, f[1], False, f[3]).chunk_shape(box.shape, t.element_size(), 0, sizes, None)
+            parts.append((i, it.part.path, box.offset, box.shape, shaped[f]))
+        last = reuse.unchanged = at, Unchanged(parts)
     return last[1]
 
 

@@ -7,6 +7,7 @@ import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -16,9 +17,10 @@ from ..tracking.changes import ChangeTracker, TensorChange, is_row_sparse
 from .types import WriteItem
 
 
-@dataclass(frozen=True)
-class PartScan:
-    """What changed in one part, as the rank that writes it found.
+class PartScan(NamedTuple):
+    """What changed in one part, as the rank that writes it found (a tuple: a scan makes one
+    a part, thousands for a state of small tensors, and a tuple is made in a third of the time
+    of a frozen dataclass).
 
     Attributes:
         key: the tensor.

@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future
-from dataclasses import replace
 from typing import TypeVar
 
 import numpy as np
@@ -110,7 +109,7 @@ def stage_part(writer: StepWriter, kind: Kind, item: WriteItem, change: TensorCh
     hashes = torch.empty(n, dtype=torch.int64) if change.partial and change.hashes is None else None
     enc.encode(writer, item.key, part.path, t, change.changed, cs,
                row_offset=part.box.offset[0] if part.box.offset else 0, hash_into=hashes, rule=rule)
-    return change if hashes is None else replace(change, hashes=hashes)
+    return change if hashes is None else change._replace(hashes=hashes)
 
 
 def open_writer(storage: Storage, save: SavePlan, rank: int, pool: StagingPool,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -36,9 +37,9 @@ def joined_piece(t: torch.Tensor, chunk_bytes: int | None) -> int:
     return n if n <= chunk_bytes else chunk_bytes if not n % chunk_bytes else 0
 
 
-@dataclass(frozen=True)
-class TensorChange:
-    """What changed in one tensor.
+class TensorChange(NamedTuple):
+    """What changed in one tensor (a tuple: a scan makes thousands for a state of small tensors,
+    and a tuple is made in a third of the time of a frozen dataclass).
 
     Attributes:
         changed: sorted changed row ids or chunk indices (int64, CPU), or None when there is
