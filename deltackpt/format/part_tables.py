@@ -10,11 +10,10 @@ of one tensor are built only when a reader asks for them.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-import itertools
 
 import numpy as np
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import threading
-from json.encoder import encode_basestring_ascii as _string  # json.dumps's, for a key
 from dataclasses import replace
+from json.encoder import encode_basestring_ascii as _string  # json.dumps's, for a key
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, overload
 
@@ -286,9 +286,9 @@ TensorHead = tuple[str, tuple[int, ...], Encoding, Lossy | None, int, list[int],
 
 
 class Heads:
-    """A parsed record's tensors' root fields (:data:`TensorHead`, by key), with what is made of them
-    once: each one's place in the root, dimensions, ranks and record without parts. Tensors of
-    equal fields share what is made of them (thousands of small tensors have a few); roots of
+    """A parsed record's tensors' root fields (:data:`TensorHead`, by key), with what is made of
+    them once: each one's place in the root, dimensions, ranks and record without parts. Tensors
+    of equal fields share what is made of them (thousands of small tensors have a few); roots of
     the same fields share all of it (a writer's commits of one plan)."""
 
     def __init__(self, heads: dict[str, TensorHead]):

@@ -34,8 +34,8 @@ are the row hashes the restore's reads took from the rows they wrote (:mod:`delt
 
 from __future__ import annotations
 
-import logging
 import itertools
+import logging
 import operator
 from collections.abc import Mapping
 
