@@ -11,6 +11,7 @@ Nodes: ``{"tensor": KEY}``, ``{"value": V}``, ``{"float": "nan" | "inf" | "-inf"
 
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 from collections.abc import Iterator, Mapping
@@ -51,6 +52,8 @@ class FlatState:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # the types whose shards flatten may reuse
 _CHILD = operator.itemgetter(1)  # of a mapping's [key, node] pair
 _NO_DICTS: dict[str, tuple[list[Any], list[str], dict[str, Any]]] = {}
+_SCALARS = (type(None), bool, int, float, str)
+_NOTHING = object()
 
 
 @dataclass
@@ -179,6 +182,10 @@ def _node(obj: Any, path: str, out: _Flattening, depth: int, last: dict[str, Any
     new node for its thousands of tensors)."""
     if depth > MAX_DEPTH:
         raise StateError(f"{path}: the state is nested deeper than {MAX_DEPTH} levels")
+    if type(obj) is dict:  # the plain kinds first: an optimizer's state holds thousands
+        return _mapping(obj, path, out, depth)
+    if type(obj) in _SCALARS:
+        return _scalar(obj, last)
     if (node := out.again(obj, path, last)) is not None:
         return node
     tensors = out.tensors
@@ -208,21 +215,43 @@ def _node(obj: Any, path: str, out: _Flattening, depth: int, last: dict[str, Any
         tensors[path] = shard
         return {"tensor": path}
     if is_stateful(obj) and not isinstance(obj, Mapping):
-        return _node(obj.state_dict(), path, out, depth, None)
+        return _node(_state_of(obj), path, out, depth, None)
     if isinstance(obj, Mapping):
         return _mapping(obj, path, out, depth)
     if isinstance(obj, (list, tuple)):
         kind = "tuple" if isinstance(obj, tuple) else "list"
-        return {kind: [_node(v, child_key(path, i), out, depth + 1, None) for i, v in enumerate(obj)]}
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return {"float": repr(obj)}
+        kept: list[Any] | None = None if last is None else last.get(kind)
+        olds = kept if kept is not None and len(kept) == len(obj) else [None] * len(obj)
+        children = [_node(v, child_key(path, i), out, depth + 1, old) for i, (v, old) in enumerate(zip(obj, olds))]
+        if last is not None and olds is kept and all(map(operator.is_, children, olds)):
+            return last
+        return {kind: children}
     if obj is None or isinstance(obj, (bool, int, float, str)):
-        # The same object: the same type and bits (1 == 1.0 and 0.0 == -0.0 are not the same).
-        return last if last is not None and "value" in last and last["value"] is obj else {"value": obj}
+        return _scalar(obj, last)
     raise StateError(
         f"{path or '<root>'}: cannot save a {type(obj).__name__}; use tensors, objects with "
         "state_dict(), dicts, lists, tuples, str, int, float, bool or None"
     )
+
+
+def _scalar(obj: Any, last: dict[str, Any] | None) -> dict[str, Any]:
+    """The node of a JSON scalar (None, bool, int, float or str); ``last`` again if it holds the
+    same value of the same type, to the bit (1, 1.0 and True are not, nor 0.0 and -0.0)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return {"float": repr(obj)}
+    old: Any = last.get("value", _NOTHING) if last is not None else _NOTHING
+    same = type(old) is type(obj) and (old is obj or (old == obj and (
+        not isinstance(obj, float) or math.copysign(1.0, old) == math.copysign(1.0, obj))))
+    return last if same else {"value": obj}  # type: ignore[return-value]
+
+
+def _state_of(obj: Any) -> Any:
+    """``obj.state_dict()``; a module's with its parameters and buffers themselves
+    (``keep_vars``), which flatten detaches: the same objects at every save, whose shards a save
+    of an unchanged layout keeps (detached copies are new objects every time)."""
+    if isinstance(obj, torch.nn.Module) and "keep_vars" in inspect.signature(obj.state_dict).parameters:
+        return obj.state_dict(keep_vars=True)
+    return obj.state_dict()
 
 
 def _mapping(obj: Mapping[Any, Any], path: str, out: _Flattening, depth: int) -> dict[str, Any]:

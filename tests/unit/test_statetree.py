@@ -86,3 +86,24 @@ def test_a_kept_node_and_shard_never_hide_a_change_of_view_dtype_key_type_or_val
     assert flatten(state, reuse=moved).tree != moved.tree
     with pytest.raises(StateError, match="keys must be str or int"):
         flatten({"sq": square, "v": flat, True: torch.ones(2), "n": 4}, reuse=moved)
+
+
+def test_a_module_an_optimizer_and_lists_flatten_to_the_kept_state_again():
+    # A module is flattened through its parameters and buffers themselves (state_dict's copies
+    # are new objects at every call), an optimizer's state and param groups are kept, and a
+    # list of the same values (ints past the cached ones, a float of the same bits) keeps its
+    # node; a float of another sign, or an int for a float, does not.
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    state = {"model": model, "opt": opt, "ids": [1000, 2000, 0.5]}
+    first = flatten(state)
+    again = flatten(state, reuse=first)
+    assert again.reused == len(again.tensors) == len(first.tensors) and again.tree is first.tree
+    state["ids"] = [1000, 2000, -0.0]
+    moved = flatten(state, reuse=again)
+    assert moved.tree is not again.tree and moved.tree["dict"][0][1] is again.tree["dict"][0][1]  # the model kept
+    state["ids"] = [1000, 2000.0, -0.0]
+    retyped = flatten(state, reuse=moved)
+    assert retyped.tree is not moved.tree and type(retyped.tree["dict"][2][1]["list"][1]["value"]) is float
