@@ -81,9 +81,10 @@ def part_table(save: SavePlan, rank: int, items: Sequence[WriteItem], index: Seq
     chosen = range(len(items)) if unchanged is None else np.flatnonzero(np.asarray(held, dtype=np.int64)).tolist()
     for n in chosen:
         it, changed = items[n], held[n]
-        entries.append((n, _entry(save, rank, it, index[n], shapes[it.key], changed,
-                                  result.files.get((it.key, it.part.path), {}), sizes, it.key in aligned, made)))
-        files += sum(e[0] for e in entries[-1][1][2].chunks.values() if len(e) == 2)
+        entry = _entry(save, rank, it, index[n], shapes[it.key], changed,
+                       result.files.get((it.key, it.part.path), {}), sizes, it.key in aligned, made)
+        entries.append((n, entry))
+        files += sum(e[0] for e in entry[2].chunks.values() if len(e) == 2)
         rows += changed if it.tensor.dim() >= 2 else 0
     if unchanged is not None:  # a delta: only its parts that hold something have chunks
         places = {(items[n].key, items[n].part.path) for n, _ in entries}

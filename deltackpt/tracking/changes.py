@@ -189,7 +189,7 @@ class ChangeTracker:
         found, joined = {}, None
         if pieces:
             segments = kernels.Segments([tensors[k] for k in pieces], list(pieces.values()))
-            joined = Joined(list(pieces), segments.pieces, segments.ends, segments.hash(), segments)
+            joined = Joined(list(pieces), segments.hash(), segments)
             found = dict(zip(pieces, joined.hashes.split(np.diff(segments.ends, prepend=0).tolist())))
         rest = [k for k in tensors if k not in found]
         found.update(zip(rest, self._hash_all([(tensors[k], self.by_rows(k, tensors[k])) for k in rest])))
@@ -266,7 +266,7 @@ class ChangeTracker:
         if scanned is None or not all(map(operator.is_, map(changes.get, scanned[0].keys), scanned[1])):
             return None
         if self._layout is None or scanned[0].keys is not self._layout.small:  # a base's (hash_whole)
-            for key, piece in zip(scanned[0].keys, scanned[0].pieces):  # as lay_out would find them
+            for key, piece in zip(scanned[0].keys, scanned[0].segments.pieces):  # as lay_out would find them
                 self._refs[key].piece = piece
         return scanned[0]
 

@@ -17,25 +17,24 @@ from .references import Reference, TensorChange
 
 @dataclass(frozen=True)
 class Joined:
-    """The tensors one :class:`~deltackpt.kernels.Segments` call hashed: their keys and piece
-    sizes in call order, where each one's hashes end in the joined hashes, those hashes, and the
-    call."""
+    """The tensors one :class:`~deltackpt.kernels.Segments` call hashed: their keys in call
+    order, the hashes it gave, and the call (its tensors' pieces, and where each one's hashes
+    end)."""
 
     keys: list[str]
-    pieces: list[int]
-    ends: np.ndarray
     hashes: torch.Tensor
-    segments: kernels.Segments  # the call
+    segments: kernels.Segments
 
     def of(self, i: int) -> torch.Tensor:
         """The hashes of ``keys[i]``."""
-        return self.hashes[(self.ends[i - 1] if i else 0) : self.ends[i]]
+        ends = self.segments.ends
+        return self.hashes[(ends[i - 1] if i else 0) : ends[i]]
 
 
 @dataclass
 class Layout:
     """How a scan split a set of tensors that all have references: the small ones hashed
-    together (``small``: their keys, pieces, joined ends and prepared call), the large ones
+    together (``small``: their keys, and ``segments``: the prepared call), the large ones
     hashed each on their own. Kept while the next scans get the same tensors (the saver's views
     of the state, which keep their dtypes and shapes), with the references the last scan found
     for the small ones, their change sets then (``found``) and which of those it found changed
@@ -47,8 +46,6 @@ class Layout:
     aligned: frozenset[str]
     large: list[str]
     small: list[str]
-    pieces: list[int]
-    ends: np.ndarray
     segments: kernels.Segments
     refs: list[Reference]
     found: list[TensorChange]
@@ -82,11 +79,11 @@ def lay_out(tensors: Mapping[str, torch.Tensor], refs: Mapping[str, Reference], 
                 continue
         large.append(key)
     held = [tensors[k] for k in small]
-    same = (last is not None and last.keys == small and last.pieces == pieces
+    same = (last is not None and last.keys == small and last.segments.pieces == pieces
             and all(map(operator.is_, last.segments.tensors, held)))
     segments = last.segments if same else kernels.Segments(held, pieces)  # type: ignore[union-attr]
-    return Layout(list(tensors), list(tensors.values()), frozenset(aligned), large, small, pieces,
-                  segments.ends, segments, [], [], set())
+    return Layout(list(tensors), list(tensors.values()), frozenset(aligned), large, small, segments,
+                  [], [], set())
 
 
 def scan_small(layout: Layout, refs: Mapping[str, Reference], aligned: set[str], last: Joined | None
@@ -97,14 +94,14 @@ def scan_small(layout: Layout, refs: Mapping[str, Reference], aligned: set[str],
     (:meth:`Reference.unchanged`), kept in the layout with the reference: only those of the
     tensors changed now or at the last scan, or whose reference is new, are made again."""
     keys = layout.small
-    joined = Joined(keys, layout.pieces, layout.ends, layout.segments.hash(), layout.segments)
+    joined = Joined(keys, layout.segments.hash(), layout.segments)
     now = list(map(refs.__getitem__, keys))
-    if last is not None and last.keys == keys and last.pieces == layout.pieces:
+    if last is not None and last.keys == keys and last.segments.pieces == layout.segments.pieces:
         before = last.hashes
     else:
         before = torch.cat([ref.hashes for ref in now])
     differs = (joined.hashes != before).nonzero().flatten().numpy()
-    changed = set(np.searchsorted(layout.ends, differs, side="right").tolist())
+    changed = set(np.searchsorted(layout.segments.ends, differs, side="right").tolist())
 
     def made(i: int) -> TensorChange:
         key, ref = keys[i], now[i]
