@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from types import ModuleType
 from typing import Any
 
@@ -212,15 +213,42 @@ class Segments:
         self.tensors, self.pieces = list(tensors), list(pieces)
         nbytes, steps = np.array(sizes, dtype=np.int64), np.array(pieces, dtype=np.int64)
         self.ends = np.cumsum(nbytes // steps)  # where each tensor's hashes end among hash()'s
-        count = int(self.ends[-1]) if len(sizes) else 0
+        self.count = int(self.ends[-1]) if len(sizes) else 0
+        self.nbytes = sum(sizes)
         # The compiled kernel's arguments, but the addresses (None: small enough for small.py).
-        self._sizes = None if count <= small.SMALL_PIECES and sum(sizes) <= small.SMALL_BYTES else (nbytes, steps, count)
+        small_enough = self.count <= small.SMALL_PIECES and self.nbytes <= small.SMALL_BYTES
+        self._sizes = None if small_enough else (nbytes, steps)
 
     def hash(self) -> torch.Tensor:
         """The hashes of every tensor's pieces as its bytes are now, one tensor after another."""
         if self._sizes is None:
             return small.hash_segments(self.tensors, self.pieces)
-        return __getattr__("reference").hash_at(self.tensors, *self._sizes)
+        reference = __getattr__("reference")
+        out = np.empty(self.count, dtype=np.uint64)
+        reference.hash_segments_at(reference.addresses_of(self.tensors), *self._sizes, out)
+        return torch.from_numpy(out.view(np.int64))
+
+    def jobs(self, out: torch.Tensor, piece: int) -> list[Callable[[], object]]:
+        """Jobs that put :meth:`hash`'s hashes into ``out`` (a contiguous int64 tensor of
+        ``count``) together, for threads to share: each hashes the next tensors of about ``piece``
+        bytes in one compiled call that holds no lock (where the bytes lie is asked here, on the
+        calling thread). Only for a call too large for the small inputs' path.
+
+        Raises:
+            ValueError: the call takes the small inputs' path.
+        """
+        if self._sizes is None:
+            raise ValueError(f"{self.nbytes} bytes take the small inputs' path: use hash()")
+        nbytes, steps = self._sizes
+        reference = __getattr__("reference")
+        addresses = reference.addresses_of(self.tensors)
+        o = out.numpy().view(np.uint64)
+        # A job ends after the tensor that reaches each multiple of ``piece`` bytes.
+        cuts = np.searchsorted(np.cumsum(nbytes), np.arange(piece, self.nbytes, piece)) + 1
+        bounds = [0, *sorted(set(cuts.tolist()) - {len(nbytes)}), len(nbytes)]
+        return [partial(reference.hash_segments_at, addresses[lo:hi], nbytes[lo:hi], steps[lo:hi],
+                        o[(self.ends[lo - 1] if lo else 0) : self.ends[hi - 1]])
+                for lo, hi in zip(bounds, bounds[1:])]
 
 
 def _check_threads(threads: int | None) -> None:
@@ -251,7 +279,8 @@ def warm() -> None:
     reference.hash_rows(torch.zeros(2, 8, dtype=torch.uint8), 1)  # rows of whole 8-byte words
     reference.hash_rows(torch.zeros(2, 3, dtype=torch.uint8), 1)  # rows of any bytes
     reference.hash_chunks(torch.zeros(24, dtype=torch.uint8), 8, 1)
-    reference.hash_at([torch.zeros(24, dtype=torch.uint8)], np.array([24]), np.array([8]), 3)
+    reference.hash_segments_at(reference.addresses_of([torch.zeros(24, dtype=torch.uint8)]), np.array([24]),
+                               np.array([8]), np.empty(3, dtype=np.uint64))
     mask = torch.zeros(4, dtype=torch.bool)
     reference.mark_rows(mask, torch.tensor([1], dtype=torch.int64))
     reference.mark_rows(mask, torch.tensor([2], dtype=torch.int32))

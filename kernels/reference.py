@@ -296,14 +296,17 @@ def _hash_segments(addresses, sizes, pieces, out):
             k += 1
 
 
-def hash_at(tensors: list[torch.Tensor], sizes: np.ndarray, steps: np.ndarray, count: int) -> torch.Tensor:
-    """XXH64 of every ``steps[i]``-byte piece of each contiguous CPU tensor of ``sizes[i]`` bytes,
-    ``count`` in all, one tensor after another, in one compiled call on the calling thread that
-    reads each tensor where it lies now (no copy; :class:`~deltackpt.kernels.Segments` checks)."""
-    addresses = np.fromiter(map(torch.Tensor.data_ptr, tensors), dtype=np.int64, count=len(tensors))
-    out = np.empty(count, dtype=np.uint64)
+def addresses_of(tensors: list[torch.Tensor]) -> np.ndarray:
+    """Where each tensor's bytes lie now (int64)."""
+    return np.fromiter(map(torch.Tensor.data_ptr, tensors), dtype=np.int64, count=len(tensors))
+
+
+def hash_segments_at(addresses: np.ndarray, sizes: np.ndarray, steps: np.ndarray, out: np.ndarray) -> None:
+    """XXH64 of every ``steps[i]``-byte piece of the ``sizes[i]`` bytes at ``addresses[i]`` (a
+    contiguous CPU tensor's, where it lies now: no copy; :class:`~deltackpt.kernels.Segments`
+    checks), one segment after another, into ``out`` (uint64), in one compiled call that holds
+    no lock."""
     _hash_segments(addresses, sizes, steps, out)
-    return torch.from_numpy(out.view(np.int64))
 
 
 def _out(out: torch.Tensor | None, n: int) -> np.ndarray:

@@ -49,7 +49,7 @@ def hash_chunks(t: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
 
 def hash_segments(tensors: list[torch.Tensor], pieces: list[int]) -> torch.Tensor:
     """XXH64 of every ``pieces[i]``-byte piece of each small CPU tensor ``tensors[i]``, one tensor
-    after another (the same as :func:`deltackpt.kernels.reference.hash_at`)."""
+    after another (the same as :func:`deltackpt.kernels.reference.hash_segments_at`)."""
     h = xxhash.xxh64_intdigest
     out = np.fromiter((h(b[i * p : (i + 1) * p]) for t, p in zip(tensors, pieces)
                        for b in [_bytes(t)] for i in range(len(b) // p)), dtype=np.uint64)

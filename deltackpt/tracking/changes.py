@@ -181,15 +181,15 @@ class ChangeTracker:
 
     def hash_many(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Joined | None]:
         """:meth:`hash` of every tensor (by key: by rows or chunks as :meth:`by_rows` says); the
-        small CPU ones all in one call on the calling thread
-        (:class:`deltackpt.kernels.Segments`): a state of thousands of tiny tensors costs
-        one call, not thousands, and wakes no thread. Returns the hashes by key (those of that
+        small CPU ones all in one call (:class:`deltackpt.kernels.Segments`, split among the
+        hasher's threads only when it holds megabytes): a state of thousands of tiny tensors
+        costs one call, not thousands. Returns the hashes by key (those of that
         call are views of its hashes), and what that call hashed, if any."""
         pieces = {k: p for k, t in tensors.items() if (p := self._piece(t, self.by_rows(k, t)))}
         found, joined = {}, None
         if pieces:
             segments = kernels.Segments([tensors[k] for k in pieces], list(pieces.values()))
-            joined = Joined(list(pieces), segments.hash(), segments)
+            joined = Joined(list(pieces), self.hasher.segments(segments), segments)
             found = dict(zip(pieces, joined.hashes.split(np.diff(segments.ends, prepend=0).tolist())))
         rest = [k for k in tensors if k not in found]
         found.update(zip(rest, self._hash_all([(tensors[k], self.by_rows(k, tensors[k])) for k in rest])))
@@ -251,7 +251,8 @@ class ChangeTracker:
         out = self._scan_hashes({k: tensors[k] for k in layout.large})
         if not layout.small:
             return out
-        small, joined = scan_small(layout, self._refs, self._aligned, self._joined)
+        small, joined = scan_small(layout, self.hasher.segments(layout.segments), self._refs, self._aligned,
+                                   self._joined)
         self._scanned_joined = (joined, layout.found)
         if not out:  # in the tensors' order already
             return small

@@ -1,5 +1,6 @@
-"""Hashing on a save's own threads: small tensors on the calling thread, large ones split into
-pieces shared by the calling thread and as many I/O threads as there are idle cores, so a save
+"""Hashing on a save's own threads: small tensors on the calling thread, large ones (and the one
+call that hashes a state's small tensors together, when it holds megabytes) split into pieces
+shared by the calling thread and as many I/O threads as there are idle cores, so a save
 never wakes more threads than it was given, uses the cores that are idle, and leaves to the
 calling thread the work of cores that are busy elsewhere.
 
@@ -100,6 +101,19 @@ class Hasher:
         if jobs:
             assert self._executor is not None  # helpers are its threads
             run_shared(self._executor, jobs, helpers)
+        return out
+
+    def segments(self, segments: kernels.Segments) -> torch.Tensor:
+        """``segments.hash()``, split as :meth:`many` splits a large tensor when it holds at least
+        two pieces' bytes, in runs of whole tensors: the one call that hashes a state's small
+        tensors (35 MB for 20,000 tiny tensors: 16 ms on one thread, 11 ms on two)."""
+        helpers = self._helpers(segments.nbytes) if segments.nbytes >= 2 * PIECE_BYTES else 0
+        if not helpers:
+            return segments.hash()
+        assert self._executor is not None  # helpers are its threads
+        out = torch.empty(segments.count, dtype=torch.int64)
+        piece = min(MAX_PIECE_BYTES, max(PIECE_BYTES, segments.nbytes // (JOBS_PER_THREAD * (helpers + 1))))
+        run_shared(self._executor, segments.jobs(out, piece), helpers)
         return out
 
     def _large(self, t: torch.Tensor) -> bool:

@@ -86,15 +86,16 @@ def lay_out(tensors: Mapping[str, torch.Tensor], refs: Mapping[str, Reference], 
                   [], [], set())
 
 
-def scan_small(layout: Layout, refs: Mapping[str, Reference], aligned: set[str], last: Joined | None
-               ) -> tuple[dict[str, TensorChange], Joined]:
-    """The change sets of ``layout``'s small tensors, hashed in one call and compared with their
-    references joined (``last``: as the last commit left them, when it joined the same tensors
-    the same way), and that call's hashes. An unchanged tensor's change set is its reference's
-    (:meth:`Reference.unchanged`), kept in the layout with the reference: only those of the
-    tensors changed now or at the last scan, or whose reference is new, are made again."""
+def scan_small(layout: Layout, hashes: torch.Tensor, refs: Mapping[str, Reference], aligned: set[str],
+               last: Joined | None) -> tuple[dict[str, TensorChange], Joined]:
+    """The change sets of ``layout``'s small tensors, from ``hashes`` (what its one call gives
+    now) compared with their references joined (``last``: as the last commit left them, when it
+    joined the same tensors the same way), and that call's hashes. An unchanged tensor's change
+    set is its reference's (:meth:`Reference.unchanged`), kept in the layout with the reference:
+    only those of the tensors changed now or at the last scan, or whose reference is new, are
+    made again."""
     keys = layout.small
-    joined = Joined(keys, layout.segments.hash(), layout.segments)
+    joined = Joined(keys, hashes, layout.segments)
     now = list(map(refs.__getitem__, keys))
     if last is not None and last.keys == keys and last.segments.pieces == layout.segments.pieces:
         before = last.hashes

@@ -47,8 +47,33 @@ def test_segments_equal_one_hash_per_piece(n):
     want = _one_by_one(tensors, pieces)
     assert torch.equal(kernels.hash_segments(tensors, pieces), want)
     sizes = np.array([t.nbytes for t in tensors])
-    assert torch.equal(reference.hash_at(tensors, sizes, np.array(pieces), int((sizes // pieces).sum())), want)
+    out = np.empty(int((sizes // pieces).sum()), dtype=np.uint64)
+    reference.hash_segments_at(reference.addresses_of(tensors), sizes, np.array(pieces), out)
+    assert torch.equal(torch.from_numpy(out.view(np.int64)), want)
     assert torch.equal(small.hash_segments(tensors, pieces), want)
+
+
+@pytest.mark.parametrize("piece", [1, 100, 4096, 1 << 30])
+def test_jobs_of_segments_give_the_hash_together(piece):
+    """The jobs threads share (one each for the next tensors of about ``piece`` bytes, run here
+    in reverse order) fill in every hash of the one call, and only those."""
+    tensors, pieces = _mixed(3000)
+    segments = kernels.Segments(tensors, pieces)
+    out = torch.full((segments.count,), 7, dtype=torch.int64)
+    jobs = segments.jobs(out, piece)
+    if piece in (1, 1 << 30):
+        assert len(jobs) == (len(tensors) if piece == 1 else 1)
+    else:
+        assert 1 < len(jobs) < len(tensors)
+    for job in reversed(jobs):
+        job()
+    assert torch.equal(out, _one_by_one(tensors, pieces))
+
+
+def test_jobs_refuse_a_call_of_the_small_inputs_path():
+    segments = kernels.Segments([torch.zeros(4)], [16])
+    with pytest.raises(ValueError, match="small inputs' path"):
+        segments.jobs(torch.empty(1, dtype=torch.int64), 8)
 
 
 def test_segments_equal_rows_and_chunks_of_each():

@@ -183,6 +183,20 @@ def test_large_work_is_split_even_while_every_core_is_busy(idle, found):
     assert got.equal(kernels.hash_chunks(flat, MiB, threads=1))
 
 
+@pytest.mark.parametrize("found, helped", [(1, 1), (0, 0)])
+def test_the_small_tensors_of_a_state_are_hashed_together_by_the_idle_cores(idle, found, helped):
+    """The one call that hashes a state's small tensors (7.2 MB of 4,000 of them) is shared, in
+    runs of whole tensors, with an I/O thread while a core is idle, for the bits of one call;
+    on one thread while none is."""
+    idle(found)
+    tensors = [torch.randn(16, 25 + i % 7) for i in range(4_000)]
+    segments = kernels.Segments(tensors, [t.nbytes // 16 for t in tensors])
+    with CountingPool(3) as ex:
+        got = Hasher(ex, 2).segments(segments)
+    assert ex.submitted == helped
+    assert got.equal(segments.hash())
+
+
 @pytest.mark.parametrize("threads", [2, 3])
 def test_a_hash_split_across_threads_matches_one_thread(threads, idle):
     idle(threads)
