@@ -83,9 +83,7 @@ class Hasher:
         jobs: list[Callable[[], object]] = []
         large = sum(t.numel() * t.element_size() for t, _ in inputs if self._large(t))
         helpers = self._helpers(large) if large else 0
-        # About JOBS_PER_THREAD jobs a thread, none under PIECE_BYTES: a job costs two hand-offs
-        # of the GIL (~20 us each), and the last one keeps one thread while the others are done.
-        piece = min(MAX_PIECE_BYTES, max(PIECE_BYTES, large // (JOBS_PER_THREAD * (helpers + 1))))
+        piece = _piece(large, helpers)
         for t, chunk_bytes in inputs:
             if not helpers or not self._large(t):
                 out.append((kernels.hash_rows(t, threads=1) if chunk_bytes is None
@@ -112,8 +110,7 @@ class Hasher:
             return segments.hash()
         assert self._executor is not None  # helpers are its threads
         out = torch.empty(segments.count, dtype=torch.int64)
-        piece = min(MAX_PIECE_BYTES, max(PIECE_BYTES, segments.nbytes // (JOBS_PER_THREAD * (helpers + 1))))
-        run_shared(self._executor, segments.jobs(out, piece), helpers)
+        run_shared(self._executor, segments.jobs(out, _piece(segments.nbytes, helpers)), helpers)
         return out
 
     def _large(self, t: torch.Tensor) -> bool:
@@ -129,6 +126,13 @@ class Hasher:
             return self._threads - 1
         idle = idle_cores()
         return max(0, self._threads - 1 if idle is None else min(self._threads - 1, idle))
+
+
+def _piece(nbytes: int, helpers: int) -> int:
+    """The bytes of a job of a split hash of ``nbytes`` on ``helpers`` threads and the caller:
+    about JOBS_PER_THREAD jobs a thread, none under PIECE_BYTES (a job costs two hand-offs of the
+    GIL, ~20 us each, and the last one keeps one thread while the others are done)."""
+    return min(MAX_PIECE_BYTES, max(PIECE_BYTES, nbytes // (JOBS_PER_THREAD * (helpers + 1))))
 
 
 def _pieces(t: torch.Tensor, unit: int, out: torch.Tensor, piece: int) -> list[Callable[[], object]]:
