@@ -133,8 +133,8 @@ def _unchanged_parts(save: SavePlan, rank: int, items: Sequence[WriteItem], inde
                      reuse: Reuse) -> Unchanged | None:
     """The table of a delta's ``items`` all unchanged, made once for them under their ``index``
     (see :class:`~deltackpt.format.part_tables.Unchanged`), or None for a save whose table is
-    made whole (a base, a quantized delta)."""
-    if save.kind != Kind.DELTA or save.quantize:
+    made whole (a base, a quantized delta). A base makes it for the deltas after it."""
+    if save.quantize:
         return None
     at = (index, rank, sizes, frozenset(aligned))
     last = reuse.unchanged
@@ -146,10 +146,10 @@ def _unchanged_parts(save: SavePlan, rank: int, items: Sequence[WriteItem], inde
             box, t = it.part.box, it.tensor
             f = (t.dtype, shapes[it.key], box.shape, it.key in aligned)
             if f not in shaped:
-                shaped[f] = choose(save.kind, f[1], False, f[3]).chunk_shape(box.shape, t.element_size(), 0, sizes, None)
+                shaped[f] = choose(Kind.DELTA, f[1], False, f[3]).chunk_shape(box.shape, t.element_size(), 0, sizes, None)
             parts.append((i, it.part.path, box.offset, box.shape, shaped[f]))
         last = reuse.unchanged = at, Unchanged(parts)
-    return last[1]
+    return last[1] if save.kind == Kind.DELTA else None
 
 
 @paused()
@@ -212,18 +212,12 @@ def _root(save: SavePlan, plan: GlobalPlan, written: Sequence[Written], *, head:
     heads = None
     if restores is None and not save.quantize and (head is None or head.format == FORMAT):
         # Nothing lossy (a format-4 head carries no loss): the entries depend on the plan, the
-        # kind and the aligned tensors alone, and are encoded once for them.
-        at = (kind, frozenset(aligned))
-        if at not in pieces.entries:
-            shared: dict[tuple[Any, ...], TensorRecord] = {}  # tensors of equal fields share one
-            records = {}
-            for t in plan.tensors.values():
-                f = (t.dtype, t.global_shape, t.key in aligned)
-                if f not in shared:
-                    shared[f] = TensorRecord(t.dtype, t.global_shape, choose(kind, t.global_shape, False, f[2]), ())
-                records[t.key] = shared[f]
-            pieces.entries[at] = tensor_entries(records, plan.writers), Heads(_heads(records, plan.writers))
-        encoded["tensors"], heads = pieces.entries[at]
+        # kind and the aligned tensors alone, and are encoded once for them (a base's, and the
+        # deltas' after it, at the base).
+        for k in {kind, Kind.DELTA}:
+            if (k, frozenset(aligned)) not in pieces.entries:
+                pieces.entries[k, frozenset(aligned)] = _entries(plan, k, aligned)
+        encoded["tensors"], heads = pieces.entries[kind, frozenset(aligned)]
     else:
         for t in plan.tensors.values():
             rule = save.quantize[t.key].rule if t.key in save.quantize else None
@@ -269,6 +263,19 @@ class _PlanPieces:
     tree: str
     state_bytes: int
     entries: dict[tuple[Kind, frozenset[str]], tuple[str, Heads]] = field(default_factory=dict)
+
+
+def _entries(plan: GlobalPlan, kind: Kind, aligned: Collection[str]) -> tuple[str, Heads]:
+    """The root's ``tensors`` field of a lossless ``kind`` of save under ``plan``, encoded, and
+    those fields as a reader parses them."""
+    shared: dict[tuple[Any, ...], TensorRecord] = {}  # tensors of equal fields share one
+    records = {}
+    for t in plan.tensors.values():
+        f = (t.dtype, t.global_shape, t.key in aligned)
+        if f not in shared:
+            shared[f] = TensorRecord(t.dtype, t.global_shape, choose(kind, t.global_shape, False, f[2]), ())
+        records[t.key] = shared[f]
+    return tensor_entries(records, plan.writers), Heads(_heads(records, plan.writers))
 
 
 def _heads(tensors: Mapping[str, TensorRecord], held: Mapping[str, tuple[int, list[int], PartLayout | None]]

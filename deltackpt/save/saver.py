@@ -36,7 +36,7 @@ from .commit import Reuse, commit, part_table
 from .decide import aligned_keys, counts, decide
 from .local import plan_local, write_items
 from .planner import Assignment, GlobalPlanner, PartPlan, PlanRequest
-from .scan import Scanned, ScanSummary, scan
+from .scan import Scanned, ScanSummary, scan, settled
 from .stage import open_writer, stage, write
 from .types import Committed, Kind, LocalState, SaveInfo, SavePlan, WriteItem, WriteResult, Written
 
@@ -282,7 +282,9 @@ class Saver:
         """After a commit: the change tracker's reference and the chain the next delta extends
         (the coordinator's head moved in :meth:`_commit`)."""
         if kind == Kind.BASE or not getattr(self.policy, "differential", False):
-            self._tracker.adopt(tensors, changes, base=kind == Kind.BASE)
+            unchanged = self._tracker.adopt(tensors, changes, base=kind == Kind.BASE)
+            if unchanged and self._scanned is not None:
+                self._scanned = settled(self._scanned, unchanged, self._tracker.chunk_elems)
         # A differential policy's deltas all apply to the base: keep it as the reference.
         self._chain = (
             ChainState(0, 0, done.bytes_written) if kind == Kind.BASE

@@ -6,7 +6,7 @@ import itertools
 import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -119,3 +119,14 @@ def scan(tracker: ChangeTracker, items: tuple[WriteItem, ...], quantize: Quantiz
     else:
         scans = [made(it, ch) for it, ch in zip(items, found)]
     return Scanned(items, tensors, changes, found, scans)
+
+
+def settled(last: Scanned, unchanged: Mapping[str, TensorChange], chunk_elems: Callable[[torch.Tensor], int]
+            ) -> Scanned:
+    """``last``, a base's scan, with the change set ``unchanged`` gives a tensor (the one the next
+    scan finds it if unchanged, see :meth:`~deltackpt.tracking.changes.ChangeTracker.adopt`) and
+    its part scan: the first delta after the base then makes those of its changed tensors alone."""
+    found = [unchanged.get(it.key, ch) for it, ch in zip(last.items, last.found)]
+    scans = [s if now is was else summarize(it.key, it.part.path, it.tensor, now, chunk_elems)
+             for it, now, was, s in zip(last.items, found, last.found, last.scans)]
+    return replace(last, found=found, scans=scans)

@@ -15,15 +15,15 @@ bytes. Both are found one of two ways:
   rows its lookups marked since the last commit, with no pass over the table. The hashes of those
   rows (or of the chunks holding them, for dense state) are recomputed, so the last commit's hashes
   stay current at O(changed) cost: a delta's writer hashes them from the copies it writes
-  (:meth:`deltackpt.format.encodings.base.Encoding.encode`), and :meth:`ChangeTracker.adopt` hashes whatever no
-  writer did. Each such save also re-hashes a
-  sample of distinct unmarked rows (the :class:`~deltackpt.tracking.marks.Canary`) and compares
-  them with the last commit: a mismatch means something changes rows without a lookup (weight
-  decay, dense Adam, a custom optimizer). It logs a warning naming the table, hashes that table
-  and its optimizer state from then on, and the save writes the rows the hashes find. A sample
-  finds a rare stray change only with the probability the canary documents, so every
-  ``audit_every`` deltas a full audit hashes the whole table instead and the delta writes every
-  changed row, and after each base the tables are hashed whole.
+  (:meth:`deltackpt.format.encodings.base.Encoding.encode`), and :meth:`ChangeTracker.adopt` hashes
+  whatever no writer did. Each such save also re-hashes a sample of distinct unmarked rows (the
+  :class:`~deltackpt.tracking.marks.Canary`) and compares them with the last commit: a mismatch
+  means something changes rows without a lookup (weight decay, dense Adam, a custom optimizer).
+  It logs a warning naming the table, hashes that table and its optimizer state from then on, and
+  the save writes the rows the hashes find. A sample finds a rare stray change only with the
+  probability the canary documents, so every ``audit_every`` deltas a full audit hashes the whole
+  table instead and the delta writes every changed row, and after each base the tables are hashed
+  whole.
 
 A table's marks become its change set only once they cover everything since the last commit: its
 first save after tracking starts (or after it was resized) hashes it and starts recording, and a
@@ -46,7 +46,7 @@ from .. import kernels  # installed from kernels/, see pyproject
 from ..format.encodings import dense_chunk_elems
 from .hashing import Hasher
 from .marks import TableMode, TrackedTable, draw_rows
-from .joined import Joined, Layout, lay_out, scan_small
+from .joined import Joined, Layout, lay_out, scan_small, settle
 from .references import NO_IDS, SMALL_TENSOR_BYTES, Reference, TensorChange, is_row_sparse, joined_piece
 from .rows import RowTracker, TrackedGroup
 
@@ -84,6 +84,7 @@ class ChangeTracker:
         self._joined: Joined | None = None
         self._scanned_joined: tuple[Joined, list[TensorChange]] | None = None  # of the last scan
         self._layout: Layout | None = None  # how the last scan of tensors hashed split them
+        self._hashed: dict[str, torch.Tensor] = {}  # the tensors the last scan hashed
 
     def chunk_elems(self, t: torch.Tensor) -> int:
         """Elements per dense chunk of ``t``, as its delta's chunks are stored."""
@@ -125,15 +126,17 @@ class ChangeTracker:
         for group in groups:
             out.update(self._scan_group(group, tensors))
             self._scanned.append(group.table)
-        out.update(self._scan_all({k: t for k, t in tensors.items() if k not in out} if out else tensors))
+        self._hashed = {k: t for k, t in tensors.items() if k not in out} if out else tensors
+        out.update(self._scan_all(self._hashed))
         return out
 
     def adopt(self, tensors: dict[str, torch.Tensor], changes: dict[str, TensorChange], *,
-              base: bool = False) -> None:
+              base: bool = False) -> dict[str, TensorChange]:
         """Makes the scanned hashes the reference and drops the marks the save used, after the
         save that used them committed; a ``base`` restarts the tables' audit counts (its change
         sets come from :meth:`hash_whole`). Of the same tensors as the references', only those
-        whose change set is not their reference's "unchanged" are looked at."""
+        whose change set is not their reference's "unchanged" are looked at. Returns, after a
+        base, the change set the next scan gives each of its small tensors if unchanged."""
         keys = list(tensors)
         if len(keys) == len(self._refs) and all(map(self._refs.__contains__, keys)):
             refs = dict(self._refs)
@@ -164,6 +167,7 @@ class ChangeTracker:
             table.committed()
         self._scanned = []
         self._audited = set()
+        return self._settle() if base else {}
 
     def hash_whole(self, tensors: dict[str, torch.Tensor],
                    changes: dict[str, TensorChange]) -> dict[str, TensorChange]:
@@ -254,10 +258,18 @@ class ChangeTracker:
         small, joined = scan_small(layout, self.hasher.segments(layout.segments), self._refs, self._aligned,
                                    self._joined)
         self._scanned_joined = (joined, layout.found)
-        if not out:  # in the tensors' order already
-            return small
         out.update(small)
-        return {k: out[k] for k in tensors}
+        return small if len(out) == len(small) else {k: out[k] for k in tensors}  # in their order
+
+    def _settle(self) -> dict[str, TensorChange]:
+        """After a base: the layout of the tensors its scan hashed, settled (see
+        :func:`~deltackpt.tracking.joined.settle`) with the base, not at the first delta's scan."""
+        if self._layout is None or not self._layout.fits(self._hashed, self._aligned):
+            self._layout = lay_out(self._hashed, self._refs, self._aligned, self._piece, self._joined)
+        if (layout := self._layout) is None:
+            return {}
+        settle(layout, list(map(self._refs.__getitem__, layout.small)), self._aligned)
+        return dict(zip(layout.small, layout.found))
 
     def _adopted_joined(self, changes: dict[str, TensorChange]) -> Joined | None:
         """The last scan's joined hashes, if ``changes`` (committed) kept the change set of every

@@ -105,19 +105,34 @@ def scan_small(layout: Layout, hashes: torch.Tensor, refs: Mapping[str, Referenc
     changed = set(np.searchsorted(layout.segments.ends, differs, side="right").tolist())
 
     def made(i: int) -> TensorChange:
-        key, ref = keys[i], now[i]
-        one_d = key in aligned and layout.segments.tensors[i].dim() == 1  # ChangeTracker._aligned_1d
+        ref, one_d = now[i], _one_d(layout, i, aligned)
         if i not in changed:
             return ref.unchanged(one_d)
         h = joined.of(i)
         return TensorChange((h != ref.hashes).nonzero().flatten(), h, aligned=one_d)
 
-    if len(layout.refs) == len(now):
-        same = np.fromiter(map(operator.is_, now, layout.refs), dtype=bool, count=len(now))
-        found = list(layout.found)
-        for i in changed | layout.dirty | set(np.flatnonzero(~same).tolist()):
-            found[i] = made(i)
-    else:  # the layout's first scan
-        found = [made(i) for i in range(len(now))]
+    if len(layout.refs) != len(now):  # the layout's first scan
+        settle(layout, now, aligned)
+    same = np.fromiter(map(operator.is_, now, layout.refs), dtype=bool, count=len(now))
+    found = list(layout.found)
+    for i in changed | layout.dirty | set(np.flatnonzero(~same).tolist()):
+        found[i] = made(i)
     layout.refs, layout.found, layout.dirty = now, found, changed
     return dict(zip(keys, found)), joined
+
+
+def settle(layout: Layout, refs: list[Reference], aligned: set[str]) -> None:
+    """Keeps ``refs`` (of ``layout``'s small tensors, in order) as the references its next scan
+    compares with, with each one's change set unchanged, as that scan finds an unchanged tensor's:
+    a base makes them for the first delta after it (see
+    :meth:`~deltackpt.tracking.changes.ChangeTracker.adopt`), which then makes its changed
+    tensors' alone. Nothing is made when ``refs`` are the kept ones already."""
+    if len(refs) == len(layout.refs) and all(map(operator.is_, refs, layout.refs)):
+        return
+    layout.found = [ref.unchanged(_one_d(layout, i, aligned)) for i, ref in enumerate(refs)]
+    layout.refs, layout.dirty = refs, set()
+
+
+def _one_d(layout: Layout, i: int, aligned: set[str]) -> bool:
+    """Whether small tensor ``i`` of ``layout`` is 1-d and aligned (ChangeTracker._aligned_1d)."""
+    return layout.small[i] in aligned and layout.segments.tensors[i].dim() == 1

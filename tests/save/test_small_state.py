@@ -88,14 +88,14 @@ def test_roots_under_one_plan_encode_its_tensors_once(store_path, monkeypatch):
 
     encoded = []
     real = commit.tensor_entries
-    monkeypatch.setattr(commit, "tensor_entries", lambda *a: encoded.append(len(a[0])) or real(*a))
+    monkeypatch.setattr(commit, "tensor_entries", lambda *a: encoded.append((step, len(a[0]))) or real(*a))
     state = tiny_state(300)
     with Checkpointer(store_path, policy=EveryK(3)) as ckpt:
         for step in range(6):  # base, delta, delta, base, delta, delta
             state["t5"].view(-1)[0] += 1
             ckpt.save(step, state)
         assert_same_state(ckpt.load(5), state)
-    assert encoded == [300, 300]
+    assert encoded == [(0, 300), (0, 300)]  # the base's, and its deltas' (made with the base)
 
 
 def test_a_root_from_the_kept_encoding_is_the_one_made_afresh(store_path, monkeypatch):
@@ -205,10 +205,53 @@ def test_a_delta_part_table_makes_entries_for_its_changed_parts_only(store_path,
             if step == 6:
                 state["t7"].view(-1)[0] += 1
             ckpt.save(step, state)
-            if step in (2, 3, 6):  # at most one entry made for each changed part
+            if step in (1, 2, 3, 5, 6):  # at most one entry made for each changed part
                 assert by_kept[-1] <= 2 + (step == 6), step
         assert_same_state(ckpt.load(6), state)
     assert same and all(same)
+
+
+def test_a_base_settles_the_scan_of_the_first_delta_after_it():
+    # A base leaves the tracker how its small tensors split and each one's change set if
+    # unchanged: the first delta's scan makes objects for its changed tensors alone, and finds
+    # what a tracker that makes them all afresh finds.
+    from deltackpt.tracking.changes import ChangeTracker
+
+    state = tiny_state(300) | {"emb": torch.randn(40, 4), "emb_sum": torch.randn(40), "big": torch.randn(20_000)}
+    settling, afresh = (ChangeTracker(4096, aligned={"emb_sum": "emb"}) for _ in range(2))
+    bases = [ct.hash_whole(state, ct.scan(state)) for ct in (settling, afresh)]
+    unchanged = settling.adopt(state, bases[0], base=True)
+    assert afresh.adopt(state, bases[1]) == {}  # not a base: nothing settled
+    assert {"t5", "emb_sum"} <= set(unchanged) and "big" not in unchanged
+    changed = ("t5", "t7", "emb", "emb_sum", "big")
+    for key in changed:
+        state[key].view(-1)[3] += 1
+    got, want = settling.scan(state), afresh.scan(state)
+    assert list(got) == list(want)
+    for key, ch in want.items():
+        assert torch.equal(got[key].changed, ch.changed) and torch.equal(got[key].hashes, ch.hashes), key
+        assert got[key].aligned == ch.aligned, key
+        assert (got[key] is unchanged.get(key)) == (key not in changed), key
+
+
+def test_the_first_delta_after_a_base_makes_its_changed_tensors_part_scans_alone(store_path, monkeypatch):
+    from deltackpt.save import scan
+    from deltackpt.tracking import changes
+
+    made, laid = [], []
+    summarize, lay_out = scan.summarize, changes.lay_out
+    monkeypatch.setattr(scan, "summarize", lambda *a: made.append(step) or summarize(*a))
+    monkeypatch.setattr(changes, "lay_out", lambda *a: laid.append(step) or lay_out(*a))
+    state = tiny_state(200) | {"emb": torch.randn(30, 4), "emb_sum": torch.randn(30)}
+    with Checkpointer(store_path, policy=EveryK(3), aligned={"emb_sum": "emb"}) as ckpt:
+        for step in range(6):  # base, delta, delta, base, delta, delta
+            state["t3"].view(-1)[step] += 1
+            state["emb_sum"][step] += 1
+            ckpt.save(step, state)
+        assert_same_state(ckpt.load(5), state)
+    assert set(laid) == {0}  # laid out with the first base, kept after
+    for step in (1, 2, 4, 5):  # each delta makes the part scans of t3 and emb_sum alone
+        assert made.count(step) == 2, (step, made.count(step))
 
 
 def test_a_base_appends_its_small_tensors_to_the_pack_in_one_call(store_path, monkeypatch):
