@@ -1,6 +1,9 @@
 """Many small tensors: a base, a one-row delta, the next one-row delta and a load of a state of N
 tiny tensors (an LLM's parameters, optimizer state and buffers), against ``torch.save`` /
-``torch.load`` of the same state, with the files and the record size each base costs.
+``torch.load`` of the same state, with the files and the record size each base costs; then a
+load through a chain of ten one-row deltas against the load through one (every delta's record
+lists every tensor, so each delta of the chain costs a read of its record and a look at each
+tensor's entry in it).
 
 Run: ``python bench/bench_small_tensors.py [--tensors 20000] [--repeat 3] [--dir DIR]``.
 Prints one line per measure (the median of ``--repeat`` runs); ``--json PATH`` writes them as JSON.
@@ -43,6 +46,9 @@ def files_and_bytes(path: str) -> tuple[int, int]:
     return n, size
 
 
+CHAIN = 10  # deltas before the last load
+
+
 def run(n: int, where: str) -> dict[str, float]:
     state = small_state(n)
     out: dict[str, float] = {}
@@ -76,10 +82,16 @@ def run(n: int, where: str) -> dict[str, float]:
         t0 = time.perf_counter()
         ckpt.save(2, state)
         out["next delta s"] = time.perf_counter() - t0
+        for step in range(3, 1 + CHAIN):  # one row each, for a load through a longer chain
+            state["layer0/p2"][3, step] += 1
+            ckpt.save(step, state)
     with Checkpointer(root, create=False) as ckpt:
         t0 = time.perf_counter()
         ckpt.load(1)
         out["load s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ckpt.load(CHAIN)
+        out[f"load after {CHAIN} deltas s"] = time.perf_counter() - t0
     return out
 
 
@@ -104,7 +116,7 @@ def main() -> None:
         print(f"  {k:<20} {v:.3f}" if v < 1000 else f"  {k:<20} {v:.0f}")
     print(f"  {'base / torch.save':<20} {med['base save s'] / med['torch.save s']:.3f}")
     peers = {"base save s": "torch.save s", "one-row delta s": "torch.save s", "next delta s": "torch.save s",
-             "load s": "torch.load s"}
+             "load s": "torch.load s", f"load after {CHAIN} deltas s": "load s"}
     write_figures(args.json, "bench_small_tensors", args, [
         figure(k.removesuffix(" s"), v, "s" if k.endswith(" s") else ("files" if k == "base files" else "B"),
                peer=peers[k].removesuffix(" s") if k in peers else None, peer_runs=runs.get(peers.get(k, "")))

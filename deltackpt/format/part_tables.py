@@ -216,6 +216,7 @@ class Table:
     dim_at: np.ndarray  # first box number of each part
     chunk_at: np.ndarray  # first chunk of each part
     by_tensor: dict[int, np.ndarray]  # tensor index -> its parts' rows
+    idle: np.ndarray  # by tensor index: none of its parts here changed a row or lists a chunk
     _lists: dict[str, list[int]] = field(default_factory=dict, compare=False, repr=False)
 
     def columns(self) -> dict[str, list[int]]:
@@ -329,7 +330,9 @@ def decode_table(data: bytes, where: str, rank: int, ndims: Sequence[int],
     bounds = np.flatnonzero(np.diff(tensor[order])) + 1
     by_tensor = {int(tensor[g[0]]): g for g in np.split(order, bounds) if len(g)}
     dim_at = np.concatenate(([0], np.cumsum(per_part)[:-1])).astype(np.int64) if parts else np.zeros(0, np.int64)
-    return Table(rank, where, cols, dim_at, chunk_at, by_tensor)
+    idle = np.ones(len(ndims), bool)
+    idle[tensor[(cols["changed"] != 0) | (cols["nchunks"] != 0)]] = False
+    return Table(rank, where, cols, dim_at, chunk_at, by_tensor, idle)
 
 
 def check_parts(rec: TensorRecord, where: str) -> None:

@@ -103,14 +103,15 @@ class ChainReader:
         start = max((i for i, r in enumerate(recs) if r.encoding.whole), default=0)
         steps = list(zip(self._chain, recs))[start:]
         base, deltas = (steps[0], steps[1:]) if recs[start].encoding.whole else (None, steps)
-        deltas.reverse()
+        # A delta that left the tensor as it was is skipped before its parts are built (a
+        # chain of a state of many tensors holds thousands of them a delta).
+        deltas = [(m, rec) for m, rec in reversed(deltas) if not rec.untouched()]
         hits = [(m, rec, part, inter) for m, rec in deltas for part in rec.parts_meeting(box)
                 for inter in [part.box.intersect(box)] if inter is not None]
         # A 1-d tensor's rows are its elements: its row and dense deltas claim from one cover.
         if len({rec.encoding.claims for _, rec, _, _ in hits}) > 1 and dest.dim() != 1:
             raise IntegrityError(self._chain[-1].step, key, "dense and row deltas mixed along the chain")
-        # A delta part that changed nothing and lists no chunk has nothing to read, claim or
-        # check (a chain of many small tensors holds thousands of them).
+        # Nor has a part that changed nothing and lists no chunk anything to read, claim or check.
         hits = [hit for hit in hits if hit[2].changed or hit[2].chunks]
         self.run([partial(self.ids, m, key, part) for m, rec, part, _ in hits if rec.encoding.claims == "rows"])
         covers = Covers.of(box, [part.box for _, _, part, _ in hits])

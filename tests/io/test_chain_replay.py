@@ -1,6 +1,7 @@
 """Replaying a chain newest delta first: every row and element ends as the newest step that wrote
 it left it, bit for bit, whatever mix of row, dense and quantized deltas wrote it, in any box;
-a delta chunk whose rows newer deltas all rewrote is not read."""
+a delta chunk whose rows newer deltas all rewrote is not read, nor are the parts of a delta that
+left a tensor as it was built."""
 
 from __future__ import annotations
 
@@ -214,3 +215,31 @@ def test_a_replay_copies_delta_rows_on_its_io_threads_alone(monkeypatch):
         ckpt.restore(got, 3)
     for k, v in s.items():
         assert same_bits(got[k], v), k
+
+
+def test_a_replay_builds_no_part_of_a_delta_that_left_its_tensor_as_it_was(tmp_path, monkeypatch):
+    from deltackpt.format import part_tables
+
+    gen = torch.Generator().manual_seed(5)
+    state = {f"t{i}": torch.randn(4, 3, generator=gen) for i in range(40)}
+    saved = []
+    with Checkpointer(str(tmp_path / "s"), policy=NeverBase()) as ckpt:
+        ckpt.save(0, state)
+        for step in (1, 2, 3):
+            state[f"t{step}"][step % 4, 1] += 1  # one tensor a delta
+            ckpt.save(step, state)
+            saved.append(ckpt.store.manifest(step).attempt)
+    built: list[str] = []
+    real = part_tables.Table.parts
+
+    def counted(self, index, rec, where, seen):
+        built.append(self.where)
+        return real(self, index, rec, where, seen)
+
+    monkeypatch.setattr(part_tables.Table, "parts", counted)
+    with Checkpointer(str(tmp_path / "s"), create=False) as ckpt:
+        got = ckpt.load(3)
+    assert all(same_bits(got[k], v) for k, v in state.items())
+    # Each delta's parts are built for the one tensor it changed, the base's for all of them.
+    assert [sum(attempt in w for w in built) for attempt in saved] == [1, 1, 1]
+    assert len(built) == len(state) + 3
