@@ -109,11 +109,14 @@ class TensorRecord:
             return meeting(box)
         return [p for p in self.parts if (inter := p.box.intersect(box)) is not None and inter.numel]
 
-    def untouched(self) -> bool:
-        """Whether no part changed a row or lists a chunk: a delta's record of a tensor it left
-        as it was, which a read of the chain skips (most tensors of most deltas)."""
+    def untouched(self, box: Box) -> bool:
+        """Whether no part that meets ``box`` changed a row or lists a chunk: a delta's record
+        of a tensor it left as it was there, which a read of the chain skips (most tensors of
+        most deltas)."""
         untouched = getattr(self.parts, "untouched", None)  # a record read from a store's
-        return untouched() if untouched is not None else not any(p.changed or p.chunks for p in self.parts)
+        if untouched is not None:
+            return untouched(box)
+        return not any(p.changed or p.chunks for p in self.parts_meeting(box))
 
     @property
     def nbytes_written(self) -> int:

@@ -208,16 +208,20 @@ class LazyParts(Sequence[PartRecord]):
                 self._parts = tuple(parts)
             return self._parts
 
-    def untouched(self) -> bool:
-        """Whether no part changed a row or lists a chunk (a delta's part of a tensor it left as
-        it was), told from the tables' columns without building a part. False where a table
-        the tensor lists holds none of its parts or they do not add up to its count: a read
-        then builds them, and fails on what is wrong."""
+    def untouched(self, box: Box) -> bool:
+        """Whether no part that meets ``box`` changed a row or lists a chunk (a delta's part of
+        a tensor it left as it was), told from the columns of the tables that may hold such
+        parts (with a layout, those of the writers of its cells that meet ``box``, as
+        :meth:`meeting` reads), without building a part. False where such a table holds none of
+        the tensor's parts or, without a layout, they do not add up to its count: a read then
+        builds them, and fails on what is wrong."""
         if self._parts is not None:
             return not any(p.changed or p.chunks for p in self._parts)
-        tables = [self._tables.table(rank) for rank in self._tables.owners[self._index]]
+        layout = self._layout
+        ranks = self._tables.owners[self._index] if layout is None else {layout.writer(i) for i in layout.meeting(box)}
+        tables = [self._tables.table(rank) for rank in ranks]
         return (all(self._index in t.by_tensor and t.idle[self._index] for t in tables)
-                and sum(len(t.by_tensor[self._index]) for t in tables) == self._count)
+                and (layout is not None or sum(len(t.by_tensor[self._index]) for t in tables) == self._count))
 
     def _check_layout(self, parts: list[PartRecord], layout: PartLayout) -> None:
         """Checks every part (distinct paths, sorted) against ``layout``."""

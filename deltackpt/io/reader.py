@@ -105,7 +105,7 @@ class ChainReader:
         base, deltas = (steps[0], steps[1:]) if recs[start].encoding.whole else (None, steps)
         # A delta that left the tensor as it was is skipped before its parts are built (a
         # chain of a state of many tensors holds thousands of them a delta).
-        deltas = [(m, rec) for m, rec in reversed(deltas) if not rec.untouched()]
+        deltas = [(m, rec) for m, rec in reversed(deltas) if not rec.untouched(box)]
         hits = [(m, rec, part, inter) for m, rec in deltas for part in rec.parts_meeting(box)
                 for inter in [part.box.intersect(box)] if inter is not None]
         # A 1-d tensor's rows are its elements: its row and dense deltas claim from one cover.
