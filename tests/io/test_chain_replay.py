@@ -12,6 +12,7 @@ import torch
 
 import deltackpt
 from deltackpt import Checkpointer, MemoryStorage, Rowwise
+from deltackpt.format import part_tables
 from deltackpt.io.reader import ChainReader
 from deltackpt.io.staging import StagingPool
 from deltackpt.sharding import Box
@@ -218,8 +219,6 @@ def test_a_replay_copies_delta_rows_on_its_io_threads_alone(monkeypatch):
 
 
 def test_a_replay_builds_no_part_of_a_delta_that_left_its_tensor_as_it_was(tmp_path, monkeypatch):
-    from deltackpt.format import part_tables
-
     gen = torch.Generator().manual_seed(5)
     state = {f"t{i}": torch.randn(4, 3, generator=gen) for i in range(40)}
     saved = []
