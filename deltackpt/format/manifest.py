@@ -64,6 +64,11 @@ class PartRecord:
     def nbytes_written(self) -> int:
         return sum(entry[0] for entry in self.chunks.values())
 
+    @property
+    def touched(self) -> bool:
+        """Whether it changed a row or lists a chunk (else a read has nothing in it to read)."""
+        return bool(self.changed or self.chunks)
+
     def to_doc(self) -> dict[str, Any]:
         return {"offset": list(self.offset), "shape": list(self.shape), "path": self.path,
                 "chunk_shape": list(self.chunk_shape), "changed": self.changed,
@@ -116,7 +121,7 @@ class TensorRecord:
         untouched = getattr(self.parts, "untouched", None)  # a record read from a store's
         if untouched is not None:
             return untouched(box)
-        return not any(p.changed or p.chunks for p in self.parts_meeting(box))
+        return not any(p.touched for p in self.parts_meeting(box))
 
     @property
     def nbytes_written(self) -> int:

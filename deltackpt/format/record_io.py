@@ -215,8 +215,6 @@ class LazyParts(Sequence[PartRecord]):
         :meth:`meeting` reads), without building a part. False where such a table holds none of
         the tensor's parts or, without a layout, they do not add up to its count: a read then
         builds them, and fails on what is wrong."""
-        if self._parts is not None:
-            return not any(p.changed or p.chunks for p in self._parts)
         layout = self._layout
         ranks = self._tables.owners[self._index] if layout is None else {layout.writer(i) for i in layout.meeting(box)}
         tables = [self._tables.table(rank) for rank in ranks]

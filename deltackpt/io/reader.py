@@ -112,7 +112,7 @@ class ChainReader:
         if len({rec.encoding.claims for _, rec, _, _ in hits}) > 1 and dest.dim() != 1:
             raise IntegrityError(self._chain[-1].step, key, "dense and row deltas mixed along the chain")
         # Nor has a part that changed nothing and lists no chunk anything to read, claim or check.
-        hits = [hit for hit in hits if hit[2].changed or hit[2].chunks]
+        hits = [hit for hit in hits if hit[2].touched]
         self.run([partial(self.ids, m, key, part) for m, rec, part, _ in hits if rec.encoding.claims == "rows"])
         covers = Covers.of(box, [part.box for _, _, part, _ in hits])
         jobs = [job for m, rec, part, inter in hits
