@@ -21,6 +21,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import PARALLEL_MIN
+from .small import flat_bytes
 
 _P1 = np.uint64(0x9E3779B185EBCA87)
 _P2 = np.uint64(0xC2B2AE3D27D4EB4F)
@@ -243,16 +244,6 @@ def _hash(b: np.ndarray, piece: int, out: np.ndarray, threads: int | None) -> No
             torch.set_num_threads(torch_threads)
 
 
-def _bytes(t: torch.Tensor) -> np.ndarray:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-
-
-def flat_bytes(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's bytes as a flat uint8 array (a view where ``t`` is contiguous), for
-    :func:`hash_bytes`."""
-    return _bytes(t)
-
-
 def hash_bytes(b: np.ndarray, piece: int, out: np.ndarray) -> None:
     """XXH64 of every ``piece``-byte piece of the flat uint8 array ``b`` (the last may be short)
     into the uint64 array ``out``, on the calling thread: a slice of :func:`flat_bytes` that
@@ -267,7 +258,7 @@ def hash_rows(t: torch.Tensor, threads: int | None = None, out: torch.Tensor | N
     rows = t.shape[0]
     result = _out(out, rows)
     if rows and t.numel():
-        _hash(_bytes(t), t.numel() // rows * t.element_size(), result, threads)
+        _hash(flat_bytes(t), t.numel() // rows * t.element_size(), result, threads)
     elif rows:
         result[:] = _EMPTY_HASH
     return torch.from_numpy(result.view(np.int64))
@@ -325,7 +316,7 @@ def hash_chunks(t: torch.Tensor, chunk_bytes: int, threads: int | None = None,
     nbytes = t.numel() * t.element_size()
     result = _out(out, -(-nbytes // chunk_bytes))
     if nbytes:
-        _hash(_bytes(t), chunk_bytes, result, threads)
+        _hash(flat_bytes(t), chunk_bytes, result, threads)
     return torch.from_numpy(result.view(np.int64))
 
 

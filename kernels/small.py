@@ -32,19 +32,29 @@ def _hash(b: memoryview, piece: int, n: int) -> torch.Tensor:
     return torch.from_numpy(out.view(np.int64))
 
 
-def _bytes(t: torch.Tensor) -> memoryview:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
+def flat_bytes(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bytes as a flat uint8 array (a view where ``t`` is contiguous).
+
+    Through numpy's views where numpy has the dtype: each of torch's views lets go of the GIL and
+    takes it back, and when another thread holds it (a training loop) each take waits up to the
+    switch interval (5 ms): 10.6 ms a call through torch's four views against 0.3 ms through
+    numpy's, beside a pure-Python loop (2 us against 8 us alone)."""
+    try:
+        a = t.numpy()
+    except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16), or a tensor that requires grad
+        return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return a.reshape(-1).view(np.uint8)
 
 
 def hash_rows(t: torch.Tensor) -> torch.Tensor:
     """XXH64 of every row ``t[i]`` of a small CPU tensor, as int64 bit patterns."""
     rows = t.shape[0]
-    return _hash(_bytes(t), t.numel() // rows * t.element_size() if rows else 0, rows)
+    return _hash(flat_bytes(t).data, t.numel() // rows * t.element_size() if rows else 0, rows)
 
 
 def hash_chunks(t: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
     """XXH64 of every ``chunk_bytes`` piece of a small CPU tensor's flat bytes (the last may be short)."""
-    return _hash(_bytes(t), chunk_bytes, -(-t.numel() * t.element_size() // chunk_bytes))
+    return _hash(flat_bytes(t).data, chunk_bytes, -(-t.numel() * t.element_size() // chunk_bytes))
 
 
 def hash_segments(tensors: list[torch.Tensor], pieces: list[int]) -> torch.Tensor:
@@ -52,5 +62,5 @@ def hash_segments(tensors: list[torch.Tensor], pieces: list[int]) -> torch.Tenso
     after another (the same as :func:`deltackpt.kernels.reference.hash_segments_at`)."""
     h = xxhash.xxh64_intdigest
     out = np.fromiter((h(b[i * p : (i + 1) * p]) for t, p in zip(tensors, pieces)
-                       for b in [_bytes(t)] for i in range(len(b) // p)), dtype=np.uint64)
+                       for b in [flat_bytes(t).data] for i in range(len(b) // p)), dtype=np.uint64)
     return torch.from_numpy(out.view(np.int64))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from helpers import assert_runs_fresh
@@ -45,6 +46,20 @@ def test_strided_input_hashes_its_c_order_bytes():
     t = _random((9, 6), torch.float32, seed=3).t()
     assert torch.equal(small.hash_rows(t), reference.hash_rows(t.contiguous()))
     assert torch.equal(small.hash_chunks(t, 12), reference.hash_chunks(t.contiguous(), 12))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flat_bytes_are_the_c_order_bytes_of_any_tensor(dtype):
+    """Through numpy where it has the dtype, else through torch's views: the same bytes for a
+    contiguous, a strided, a 0-d and an empty tensor and one that requires grad."""
+    t = _random((6, 5), dtype, seed=7) if dtype != torch.bool else _random((6, 5), torch.uint8, seed=7) % 2 == 1
+    cases = [t, t.t(), t[::2, 1:], t[2, 3], t[:0]]
+    if dtype.is_floating_point:
+        cases.append(t.clone().requires_grad_())
+    for c in cases:
+        want = c.detach().contiguous().reshape(-1).view(torch.uint8)
+        got = small.flat_bytes(c)
+        assert got.dtype == np.uint8 and got.ndim == 1 and got.tobytes() == want.numpy().tobytes()
 
 
 def test_only_small_inputs_fit():
