@@ -19,6 +19,9 @@ checkpointer tracks the tables, so a delta writes the rows training marked. The 
   beside      a background base and delta again, with training steps run one after another
               while each finishes behind them: their time, and the time to commit (the
               buffers of the rounds before, left in the reserve: a job's steady state)
+  bare writer training steps beside a thread that only writes as many bytes as that base and
+              that delta wrote (a fresh file, O_DIRECT from one aligned buffer, fsync): the
+              least any background writer of those bytes costs the training on this machine
   alone       ``--steps`` training steps with no save running
   DCP         ``async_save`` (default stager) of the same state after the base's and after the
               delta's training step (DCP has no deltas: both are full saves): blocked until its
@@ -26,7 +29,8 @@ checkpointer tracks the tables, so a delta writes the rows training marked. The 
   over budget a background base with ``memory_budget`` a quarter of the state: it stages what
               fits, writes it, stages the rest, and returns once the last piece is staged
   GIL         a pure-Python loop (it holds the GIL all the time, as no training step does) alone
-              and while a background base finishes: how much of the GIL the save's threads take
+              and while a background base, then a 1% marked delta, finishes: how much of the GIL
+              the save's threads take, and how long each then takes to commit
   fresh       in a new process, the blocked time of the first background save right after the
               checkpointer is built, and of two later ones (the kernels warm in the background)
 
@@ -49,6 +53,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -59,7 +64,7 @@ import deltackpt
 from deltackpt import Checkpointer
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import cpu_seconds, figure, json_option, others_cpu, write_figures  # noqa: E402
+from common import cpu_seconds, direct_bandwidth, figure, json_option, others_cpu, write_figures  # noqa: E402
 
 MiB = 1 << 20
 QUICK = {"tables": 4, "rows": 65_536, "dim": 64, "steps": 5}
@@ -107,6 +112,28 @@ def while_pending(done: Callable[[], bool], work: Callable[[], None]) -> list[fl
     while not done():
         times += timed(work, 1)
     return times
+
+
+def beside_writer(folder: str, nbytes: int, work: Callable[[], None]) -> tuple[list[float], float]:
+    """Seconds of each ``work()`` run while another thread writes ``nbytes`` to a fresh file with
+    O_DIRECT from one aligned buffer (then fsync), and that writer's GB/s: what any writer of as
+    many bytes costs the work beside it on this machine, with no staging, hashing or commit."""
+    done = threading.Event()
+    out: list[float] = []
+
+    def write() -> None:
+        try:
+            out.append(direct_bandwidth(folder, nbytes))
+        finally:
+            done.set()
+
+    writer = threading.Thread(target=write, name="bare-writer")
+    writer.start()
+    times = while_pending(done.is_set, work)
+    writer.join()
+    if not out:
+        raise RuntimeError("the bare writer failed (its error is printed above)")
+    return times, out[0]
 
 
 def timed(work: Callable[[], None], n: int) -> list[float]:
@@ -245,8 +272,10 @@ def main() -> None:
         def beside(ckpt: Checkpointer, what: str, at: int) -> None:
             handle = ckpt.save(at, state, blocking=False)
             steps = while_pending(handle.done, train)
+            info = handle.result()
             note(f"train step beside a background {what} ms", 1000 * statistics.median(steps))
-            note(f"{what} background, training beside: to commit s", handle.result().seconds)
+            note(f"{what} background, training beside: to commit s", info.seconds)
+            written[what] = info.bytes_written
 
         # The first base of each stages into buffers no save has touched yet, as a process's
         # first base does (a closed checkpointer's are left to the next one); the later base
@@ -255,7 +284,12 @@ def main() -> None:
             deltackpt.release_staging_memory()
             base_then_delta(name, ("base", "1% delta", "later base"), save)
         # Training beside the saves (its steps would grow the delta above, so apart from it).
+        written: dict[str, int] = {}
         base_then_delta("beside", ("base", "delta"), beside)
+        for what, nbytes in written.items():  # the machine's floor: beside a bare writer of as many bytes
+            steps, gbps = beside_writer(root, nbytes, train)
+            note(f"train step beside a bare writer of the {what}'s bytes ms", 1000 * statistics.median(steps))
+            note(f"bare writer of the {what}'s bytes, training beside: GB/s", gbps)
         note("train step alone ms", 1000 * statistics.median(timed(train, args.steps)))
         if have_dcp:
             dcp_save("base", os.path.join(root, f"dcp{r}-base"))
@@ -270,13 +304,17 @@ def main() -> None:
         shutil.rmtree(path)
         path = os.path.join(root, f"r{r}-gil")
         alone = statistics.median(timed(spin, 200))
-        with Checkpointer(path, memory_budget=budget, threads=args.save_threads) as ckpt:
-            handle = ckpt.save(step + 1, state, blocking=False)
-            beside = statistics.median(while_pending(handle.done, spin))
-            handle.result()
-        shutil.rmtree(path)
         note("pure-Python loop alone ms", 1000 * alone)
-        note("pure-Python loop beside a background base ms", 1000 * beside)
+        with Checkpointer(path, memory_budget=budget, threads=args.save_threads) as ckpt:
+            ckpt.track(model, prefix="model", optimizer=opt)
+            for i, what in enumerate(("base", "1% delta")):
+                if i:
+                    train()
+                handle = ckpt.save(step + 1 + i, state, blocking=False)
+                beside = statistics.median(while_pending(handle.done, spin))
+                note(f"pure-Python loop beside a background {what} ms", 1000 * beside)
+                note(f"{what} background, pure-Python loop beside: to commit s", handle.result().seconds)
+        shutil.rmtree(path)
         first, *later = fresh_process(os.path.join(root, f"fresh{r}"))
         note("first background save of a fresh process: blocked s", first)
         note("later background saves of that process: blocked s", statistics.median(later))
@@ -312,10 +350,18 @@ def report(figures: dict[str, list[float]], budget: int) -> None:
          med["train step beside a background base ms"] / med["train step alone ms"]),
         ("train step beside a background delta / alone (goal <= 1.1)",
          med["train step beside a background delta ms"] / med["train step alone ms"]),
+        ("train step beside a bare writer of the base's bytes / alone (the machine's floor)",
+         med["train step beside a bare writer of the base's bytes ms"] / med["train step alone ms"]),
+        ("train step beside a bare writer of the delta's bytes / alone (the machine's floor)",
+         med["train step beside a bare writer of the delta's bytes ms"] / med["train step alone ms"]),
         ("memory a background base added - staging budget, MiB (goal <= 64)",
          med["base background: memory added MiB"] - budget / MiB),
         ("pure-Python loop beside a background base / alone",
          med["pure-Python loop beside a background base ms"] / med["pure-Python loop alone ms"]),
+        ("pure-Python loop beside a background 1% delta / alone",
+         med["pure-Python loop beside a background 1% delta ms"] / med["pure-Python loop alone ms"]),
+        ("1% delta call to commit, pure-Python loop beside / its blocking save",
+         med["1% delta background, pure-Python loop beside: to commit s"] / med["1% delta blocking: blocked s"]),
         ("first background save of a fresh process / later ones (goal <= 1)",
          med["first background save of a fresh process: blocked s"]
          / med["later background saves of that process: blocked s"]),
@@ -336,17 +382,17 @@ def report(figures: dict[str, list[float]], budget: int) -> None:
 
 def peer_of(name: str) -> tuple[str, str | None]:
     """The unit of figure ``name`` and the figure measured beside it that it is compared with."""
-    unit = "ms" if name.endswith(" ms") else "MiB" if name.endswith(" MiB") else "s"
+    unit = "ms" if name.endswith(" ms") else "MiB" if name.endswith(" MiB") else "GB/s" if name.endswith(" GB/s") else "s"
     for what in ("base", "1% delta", "later base"):
         if name.startswith(f"{what} background: blocked"):
             return unit, f"{what.removeprefix('later ')} DCP async_save: blocked s"
-        if name.startswith(f"{what} background: to commit"):
+        if name.startswith((f"{what} background: to commit", f"{what} background, pure-Python loop beside")):
             return unit, f"{what} blocking: blocked s"
     if name == "base background: memory added MiB":
         return unit, "base DCP async_save: memory added MiB"
     if name.startswith("train step beside"):
         return unit, "train step alone ms"
-    if name == "pure-Python loop beside a background base ms":
+    if name.startswith("pure-Python loop beside"):
         return unit, "pure-Python loop alone ms"
     if name == "first background save of a fresh process: blocked s":
         return unit, "later background saves of that process: blocked s"

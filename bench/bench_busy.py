@@ -31,7 +31,6 @@ Usage: ``python bench/bench_busy.py [--repeat 3] [--tables 8 --rows 1000000 --di
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import shutil
 import statistics
@@ -42,7 +41,7 @@ import time
 
 import torch
 
-from common import cpu_seconds, figure, json_option, others_cpu, tree_bytes, write_figures
+from common import cpu_seconds, direct_bandwidth, figure, json_option, others_cpu, tree_bytes, write_figures
 from deltackpt import Checkpointer, release_staging_memory
 from deltackpt.policy import EveryK
 
@@ -111,25 +110,6 @@ def payload(ckpt: Checkpointer, step: int) -> int:
                 n = int(torch.tensor(part.shape).prod()) if part.shape else 1
                 total += sum(min(ce, n - int(c[2:]) * ce) * itemsize for c in part.chunks)
     return total
-
-
-def direct_bandwidth(folder: str, nbytes: int) -> float:
-    """GB/s of a fresh file written with O_DIRECT in 32 MiB writes from one aligned buffer, fsync."""
-    buf = mmap.mmap(-1, 32 * MiB)  # page-aligned
-    buf.write(os.urandom(32 * MiB))
-    path = os.path.join(folder, "direct.bin")
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
-    try:
-        for _ in range(-(-nbytes // (32 * MiB))):
-            os.write(fd, buf)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    seconds = time.perf_counter() - t0
-    written = os.path.getsize(path)
-    os.unlink(path)
-    return written / seconds / 1e9
 
 
 class DirectCount:

@@ -11,9 +11,12 @@ timed operations (:class:`Reserve`) and free the part an operation will allocate
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import mmap
 import os
 import statistics
+import time
 from typing import Any
 
 import numpy as np
@@ -75,6 +78,34 @@ def evict(*paths: str, sync: bool = True) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+@functools.cache
+def _direct_buffer() -> mmap.mmap:
+    """32 MiB of random bytes, page-aligned (as O_DIRECT needs), made once."""
+    buf = mmap.mmap(-1, 32 * MiB)
+    buf.write(os.urandom(32 * MiB))
+    return buf
+
+
+def direct_bandwidth(folder: str, nbytes: int) -> float:
+    """GB/s of a fresh file written with O_DIRECT in 32 MiB writes from one aligned buffer, fsync:
+    the disk's bandwidth, and the least any writer of ``nbytes`` asks of the machine."""
+    buf = memoryview(_direct_buffer())
+    path = os.path.join(folder, "direct.bin")
+    left = -(-nbytes // 4096) * 4096  # whole blocks, as O_DIRECT needs
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+    try:
+        while left:
+            left -= os.write(fd, buf[: min(left, len(buf))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - t0
+    written = os.path.getsize(path)
+    os.unlink(path)
+    return written / seconds / 1e9
 
 
 def tree_bytes(path: str) -> int:
