@@ -43,7 +43,7 @@ def flat_bytes(t: torch.Tensor) -> np.ndarray:
         a = t.numpy()
     except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16), or a tensor that requires grad
         return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return a.reshape(-1).view(np.uint8)
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)  # a copy only if strided
 
 
 def hash_rows(t: torch.Tensor) -> torch.Tensor:

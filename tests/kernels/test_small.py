@@ -53,7 +53,7 @@ def test_flat_bytes_are_the_c_order_bytes_of_any_tensor(dtype):
     """Through numpy where it has the dtype, else through torch's views: the same bytes for a
     contiguous, a strided, a 0-d and an empty tensor and one that requires grad."""
     t = _random((6, 5), dtype, seed=7) if dtype != torch.bool else _random((6, 5), torch.uint8, seed=7) % 2 == 1
-    cases = [t, t.t(), t[::2, 1:], t[2, 3], t[:0]]
+    cases = [t, t.t(), t[::2, 1:], t[:, 1], t.reshape(-1)[::3], t[2, 3], t[:0]]
     if dtype.is_floating_point:
         cases.append(t.clone().requires_grad_())
     for c in cases:
