@@ -17,12 +17,13 @@ checkpointer tracks the tables, so a delta writes the rows training marked. The 
               (``SaveInfo.seconds``), the host memory the first base added (peak resident memory
               above the resident memory before the call, ``VmHWM`` after ``clear_refs``)
   beside      a background base and delta again, with training steps run one after another
-              while each finishes behind them: their time, and the time to commit (the
-              buffers of the rounds before, left in the reserve: a job's steady state)
+              while each finishes behind them: their mean time (the training's pace, slow
+              steps and all), and the time to commit (the buffers of the rounds before, left
+              in the reserve: a job's steady state)
   bare writer training steps beside a thread that only writes as many bytes as that base and
               that delta wrote (a fresh file, O_DIRECT from one aligned buffer, fsync): the
               least any background writer of those bytes costs the training on this machine
-  alone       ``--steps`` training steps with no save running
+  alone       ``--steps`` training steps with no save running, their mean time
   DCP         ``async_save`` (default stager) of the same state after the base's and after the
               delta's training step (DCP has no deltas: both are full saves): blocked until its
               future is returned, then until it is done; the memory it added
@@ -273,7 +274,7 @@ def main() -> None:
             handle = ckpt.save(at, state, blocking=False)
             steps = while_pending(handle.done, train)
             info = handle.result()
-            note(f"train step beside a background {what} ms", 1000 * statistics.median(steps))
+            note(f"train step beside a background {what} ms", 1000 * statistics.mean(steps))
             note(f"{what} background, training beside: to commit s", info.seconds)
             written[what] = info.bytes_written
 
@@ -288,9 +289,9 @@ def main() -> None:
         base_then_delta("beside", ("base", "delta"), beside)
         for what, nbytes in written.items():  # the machine's floor: beside a bare writer of as many bytes
             steps, gbps = beside_writer(root, nbytes, train)
-            note(f"train step beside a bare writer of the {what}'s bytes ms", 1000 * statistics.median(steps))
+            note(f"train step beside a bare writer of the {what}'s bytes ms", 1000 * statistics.mean(steps))
             note(f"bare writer of the {what}'s bytes, training beside: GB/s", gbps)
-        note("train step alone ms", 1000 * statistics.median(timed(train, args.steps)))
+        note("train step alone ms", 1000 * statistics.mean(timed(train, args.steps)))
         if have_dcp:
             dcp_save("base", os.path.join(root, f"dcp{r}-base"))
             train()

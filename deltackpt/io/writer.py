@@ -141,9 +141,10 @@ class StepWriter:
             self._files.file(f"{self._folder}/{g}/zarr.json" if g else f"{self._folder}/zarr.json",
                              lambda: [doc], None)
 
-    def finish(self) -> dict[tuple[str, str], ChunkMap]:
+    def finish(self, *, helping: bool = True) -> dict[tuple[str, str], ChunkMap]:
         """Waits for every write and returns the chunks written per (tensor key, part path);
-        the files of the pack, if any, are in :attr:`packs`.
+        the files of the pack, if any, are in :attr:`packs`. ``helping``: this thread writes and
+        checks the files no I/O thread has started (see :meth:`FileWrites.finish`).
 
         Raises the first write error, after every write has ended.
         """
@@ -155,7 +156,7 @@ class StepWriter:
                 self._pack.close()
             except BaseException as e:  # noqa: BLE001 - the queued writes must still end
                 error = error or e
-        error = self._files.finish() or error
+        error = self._files.finish(helping=helping) or error
         if error is not None:
             raise error
         return self.results

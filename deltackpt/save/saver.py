@@ -208,7 +208,7 @@ class Saver:
 
         def write_here() -> tuple[Written, dict[str, TensorChange]]:
             staged = staging()
-            return write(storage, writers, files), staged
+            return write(storage, writers, files, helping=blocked is None), staged
 
         done, staged = self._coll.gather("write", write_here, record, then_phase="commit")
         self._advance(save.kind, done, tensors, staged)

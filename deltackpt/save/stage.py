@@ -179,10 +179,11 @@ def _chunk_shape(item: WriteItem, sizes: tuple[int, int]) -> tuple[int, ...]:
 
 
 def write(storage: Storage, writers: list[StepWriter],
-          record: Callable[[WriteResult], tuple[Mapping[str, bytes], T]]) -> T:
+          record: Callable[[WriteResult], tuple[Mapping[str, bytes], T]], *, helping: bool = True) -> T:
     """Waits for every staged write, writes the files that ``record`` makes of what was written
     (the rank's part table) and makes every file durable; returns what ``record`` returns beside
-    its files.
+    its files. ``helping``: this thread writes and checks the files no I/O thread has started
+    (a blocking save's; see :meth:`~deltackpt.io.writer.StepWriter.finish`).
 
     Raises:
         StoreError: a write failed (after every write ended).
@@ -193,7 +194,7 @@ def write(storage: Storage, writers: list[StepWriter],
     error: BaseException | None = None
     for w in writers:
         try:
-            for where, chunks in w.finish().items():
+            for where, chunks in w.finish(helping=helping).items():
                 files.setdefault(where, {}).update(chunks)
             packs.update(w.packs)
             for key, bound in w.bounds.items():

@@ -7,12 +7,14 @@ import copy
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
 from torch import nn
 
-from deltackpt import Checkpointer, LocalStorage, StoreError
+from deltackpt import Checkpointer, LocalStorage, StoreError, kernels
+from deltackpt.storage import FaultInjection
 from deltackpt.save.pending import SaveHandle
 from faults import HeldWrites
 from helpers import assert_same_state
@@ -165,6 +167,33 @@ def test_interpreter_exit_finishes_the_save_in_flight(tmp_path):
     with Checkpointer(tmp_path, create=False) as ckpt:
         assert ckpt.steps() == [1] and torch.equal(ckpt.load(1)["t"], torch.arange(200000.0))
         assert ckpt.verify().ok
+
+
+def test_the_background_thread_leaves_the_writes_and_checks_to_the_io_threads(tmp_path, monkeypatch):
+    # Beside the I/O threads, the background thread would be a third thread hashing and writing
+    # while training takes a core of its own.
+    threads: dict[str, set[str]] = {"write": set(), "check": set()}
+    real = kernels.hash_rows
+
+    def hash_rows(t, **kw):
+        threads["check"].add(threading.current_thread().name)
+        return real(t, **kw)
+
+    def slow_writes(phase: str, key: str) -> None:  # so that queued jobs wait for a thread
+        if phase == "write_chunk" and "/table/" in key:
+            threads["write"].add(threading.current_thread().name)
+            time.sleep(0.005)
+
+    monkeypatch.setattr(kernels, "hash_rows", hash_rows)  # a base's row hashes: its checks'
+    table = torch.randn(16 << 14, 64)  # 16 chunks of 1 MiB, each written and checked apart
+    with Checkpointer(FaultInjection(LocalStorage(tmp_path), slow_writes), chunk_bytes=1 << 20,
+                      memory_budget=32 << 20, threads=2) as ckpt:
+        handle = ckpt.save(1, {"table": table}, blocking=False)
+        assert handle.result().kind == "base"
+    assert threads["write"] and threads["check"]
+    assert all(name.startswith("deltackpt-io") for name in threads["write"] | threads["check"]), threads
+    with Checkpointer(tmp_path, create=False) as ckpt:
+        assert torch.equal(ckpt.load(1)["table"], table)
 
 
 def test_a_base_over_the_budget_returns_once_its_last_pieces_are_staged(tmp_path):
