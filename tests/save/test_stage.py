@@ -17,10 +17,10 @@ def test_changing_the_state_after_stage_does_not_change_the_step(monkeypatch, de
     state = {"table": table, "vec": vec, "gpu_like": torch.arange(10.0)}
     real_write = saver_module.write
 
-    def scribble_then_write(storage, writers, record):
+    def scribble_then_write(storage, writers, record, **kw):
         for t in (table, vec, state["gpu_like"]):
             t.fill_(-7.0)  # training moves on while the writes run
-        return real_write(storage, writers, record)
+        return real_write(storage, writers, record, **kw)
 
     storage = MemoryStorage()
     with Checkpointer(storage, chunk_bytes=1024, memory_budget=4096,
