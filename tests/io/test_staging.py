@@ -11,6 +11,7 @@ import torch
 
 import deltackpt
 from deltackpt import Checkpointer
+from deltackpt.io import staging
 from deltackpt.io.staging import StagingPool
 
 MiB = 1 << 20
@@ -39,6 +40,27 @@ def test_a_warmed_buffer_takes_no_page_fault_at_its_first_copy():
     warm_faults = faults_of(lambda: warm.acquire(n).copy_(src))
     assert cold_faults >= n // 4096 // 2  # at least half its pages (huge pages aside)
     assert warm_faults < 64
+
+
+def test_a_pool_closed_while_warming_leaves_the_buffer_being_made_and_makes_no_more(monkeypatch):
+    making, go = threading.Event(), threading.Event()
+    touch = staging._touch
+
+    def slow_touch(buf):
+        making.set()
+        go.wait(10)
+        return touch(buf)
+
+    monkeypatch.setattr(staging, "_touch", slow_touch)
+    pool = StagingPool(4, 1 << 16)
+    warming = threading.Thread(target=pool.warm, args=(4,))
+    warming.start()
+    assert making.wait(10)
+    pool.close()
+    go.set()
+    warming.join(10)
+    assert not warming.is_alive()
+    assert deltackpt.release_staging_memory() == 1 << 16  # the one being made, and no more
 
 
 def test_a_closed_pool_leaves_its_buffers_to_the_next_until_released():
