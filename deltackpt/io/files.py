@@ -190,9 +190,8 @@ class FileWrites:
     def finish(self, *, helping: bool = True) -> BaseException | None:
         """Runs every queued job no I/O thread has started, then waits for every write; returns
         the first error. Without ``helping``, the I/O threads run the queued jobs first, and this
-        thread only those left (none, unless the interpreter's exit stopped them): a non-blocking
-        save's background thread, whose checks beside the I/O threads' took a third thread's
-        core from the training beside it."""
+        thread only any they left: so a non-blocking save's background thread, hashing beside the
+        I/O threads, takes no third core from the training beside it."""
         self.start()
         if not helping:
             wait_all(self._asks)  # their errors are the ones wait() returns below

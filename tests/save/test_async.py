@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from deltackpt import Checkpointer, LocalStorage, StoreError, kernels
-from deltackpt.storage import FaultInjection
 from deltackpt.save.pending import SaveHandle
+from deltackpt.storage import FaultInjection
 from faults import HeldWrites
 from helpers import assert_same_state
 
