@@ -10,6 +10,7 @@ asks for them, so ``ls`` reads roots only and a partial load reads the tables it
 from __future__ import annotations
 
 import json
+import re
 import threading
 from dataclasses import replace
 from json.encoder import encode_basestring_ascii as _string  # json.dumps's, for a key
@@ -39,6 +40,30 @@ def table_key(attempt: str, rank: int) -> str:
 
 def checksum(data: bytes) -> str:
     return xxhash.xxh3_64_hexdigest(data)
+
+
+# A root's last field: the checksum of its text without that field (see docs/format.md).
+_SEALED = re.compile(rb',"checksum":"([0-9a-f]{16})"}')
+_SEAL_BYTES = 31  # len(',"checksum":"') + 16 hex digits + len('"}')
+
+
+def seal(root: bytes) -> bytes:
+    """``root``, a JSON object's text, with its ``checksum`` field appended last."""
+    return root[:-1] + b',"checksum":"' + checksum(root).encode() + b'"}'
+
+
+def check_seal(data: bytes, where: str) -> None:
+    """Checks the text of a root whose object has a ``checksum`` field against it.
+
+    Raises:
+        ManifestError: the field is not the text's last one, or the text does not match it.
+    """
+    sealed = _SEALED.fullmatch(data, max(0, len(data) - _SEAL_BYTES))
+    if sealed is None:
+        raise ManifestError(f"{where}: field 'checksum' must end the record as "
+                            "',\"checksum\":\"<16 hex digits>\"}'")
+    if checksum(data[:-_SEAL_BYTES] + b"}") != sealed[1].decode():
+        raise ManifestError(f"{where}: the record does not match its checksum (damaged)")
 
 
 @paused()
@@ -81,9 +106,9 @@ def encode_root(m: Manifest, tables: Mapping[int, tuple[int, str]],
     if m.format == LOSSY_FORMAT:
         doc["lossy"] = m.lossy
     doc["tables"] = [[rank, size, digest] for rank, (size, digest) in sorted(tables.items())]
-    # What json.dumps makes of ``doc`` with those fields' values in place.
-    return ("{" + ",".join(f"{_dumps(k)}:{fields[k] if k in fields else _dumps(v)}"
-                           for k, v in doc.items()) + "}").encode()
+    # What json.dumps makes of ``doc`` with those fields' values in place, sealed.
+    return seal(("{" + ",".join(f"{_dumps(k)}:{fields[k] if k in fields else _dumps(v)}"
+                                for k, v in doc.items()) + "}").encode())
 
 
 def tensor_entries(tensors: Mapping[str, TensorRecord],

@@ -97,6 +97,7 @@ def test_a_load_of_some_rows_reads_only_the_tables_of_the_parts_that_hold_them(s
 def tampered(store: Path, change) -> tuple[bytes, dict[str, bytes]]:
     """Step 1's root with ``change`` applied to its document, and its tables by key."""
     doc = json.loads((store / f"commits/{1:020d}.json").read_bytes())
+    del doc["checksum"]  # a root without one (as written before roots had one) is read unchecked
     change(doc["tensors"])
     tables = {f"steps/{doc['attempt']}/parts.{r}": (store / "steps" / doc["attempt"] / f"parts.{r}").read_bytes()
               for r, _, _ in doc["tables"]}

@@ -33,12 +33,20 @@ def stored(tmp_path_factory):
         w[3] = 1
         assert ckpt.save(1, {"w": w, "v": torch.ones(5), "step": 1}).kind == "delta"
         root, tables = encode_record(ckpt.store.manifest(1))
-        return json.loads(root), tables
+        return unsealed(root), tables
 
 
 @pytest.fixture
 def record(stored):
     return stored[0]
+
+
+def unsealed(root: bytes) -> dict:
+    """A root's document without its ``checksum``, after checking it: a root written before
+    checksums, which the tests below change at will."""
+    doc = json.loads(root)
+    assert doc.pop("checksum") == xxhash.xxh3_64_hexdigest(root[: root.rindex(b',"checksum"')] + b"}")
+    return doc
 
 
 def parse(doc: dict, tables: dict[int, bytes], where: str = "r"):
@@ -57,7 +65,7 @@ def parse(doc: dict, tables: dict[int, bytes], where: str = "r"):
 def test_round_trip(stored):
     m = parse(*stored)
     root, tables = encode_record(m)
-    assert (json.loads(root), tables) == stored
+    assert (unsealed(root), tables) == stored
     assert parse_doc(m.to_doc()).to_doc() == m.to_doc()
 
 
@@ -302,3 +310,44 @@ def test_tensor_entries_are_what_json_dumps_makes_of_them():
             for k in keys}
     want["same2"]["layout"] = held["same2"][2].to_doc()
     assert tensor_entries(recs, held) == json.dumps(want, separators=(",", ":"), allow_nan=False)
+
+
+@pytest.mark.parametrize("field, digit", [(b'"value":', 3), (b'"created":', 1)])
+def test_a_root_damaged_anywhere_is_refused_by_its_checksum(tmp_path, field, digit):
+    """A root ends with the checksum of the rest of its text: one digit changed in a value of
+    the state or in the commit time still parses, and is refused rather than restored."""
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(0, {"w": torch.zeros(4), "lr": 0.01})
+    path = os.path.join(tmp_path, *commit_key(0).split("/"))
+    with open(path, "rb") as f:
+        data = f.read()
+    at = data.index(field) + len(field) + digit  # a digit of the value, not its first
+    os.unlink(path)
+    with open(path, "wb") as f:
+        f.write(data[:at] + bytes([data[at] ^ 1]) + data[at + 1:])
+    with Checkpointer(tmp_path, create=False) as ckpt:
+        with pytest.raises(ManifestError, match=r"commits/0+\.json: the record does not match its checksum"):
+            ckpt.load(0)
+        assert [p.kind for p in ckpt.verify(0).problems] == ["record"]
+
+
+@pytest.mark.parametrize("checksum", ["first", "absent"])
+def test_a_checksum_not_last_is_refused_and_a_root_without_one_reads(tmp_path, checksum):
+    """The checksum must be the text's last field; a root with none (written before roots had
+    one) is read as it is."""
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(0, {"w": torch.arange(4.0)})
+    path = os.path.join(tmp_path, *commit_key(0).split("/"))
+    with open(path, "rb") as f:
+        doc = unsealed(f.read())
+    if checksum == "first":
+        doc = {"checksum": "0" * 16, **doc}
+    os.unlink(path)
+    with open(path, "w") as f:
+        json.dump(doc, f, separators=(",", ":"))
+    with Checkpointer(tmp_path, create=False) as ckpt:
+        if checksum == "first":
+            with pytest.raises(ManifestError, match="field 'checksum' must end the record"):
+                ckpt.load(0)
+        else:
+            assert torch.equal(ckpt.load(0)["w"], torch.arange(4.0))
