@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, MutableMapping, MutableSequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
 from .. import statetree
 from ..errors import (
@@ -106,12 +108,14 @@ def _walk(live: Any, node: dict[str, Any], path: str, m: Manifest, plan: Restore
         sd = live.state_dict()
         _walk(sd, node, path, m, plan, missing, unexpected)
         if any(not isinstance(v, torch.Tensor) for v in sd.values()):
-            plan.steps.append(lambda ts: live.load_state_dict(statetree.build(node, ts)))
+            plan.steps.append(partial(_load, live, node, where))
         return
     if statetree.is_stateful(live) and not isinstance(live, Mapping):
         # Optimizers: the live state may be empty (not stepped yet), so load the saved one whole.
+        if isinstance(live, torch.optim.Optimizer) and type(live).state_dict is Optimizer.state_dict:
+            _check_groups(live, node, where)  # torch's own format
         plan.covered.update(statetree.tensor_keys(node))
-        plan.steps.append(lambda ts: live.load_state_dict(statetree.build(node, ts)))
+        plan.steps.append(partial(_load, live, node, where))
         return
     if isinstance(live, MutableMapping):
         if kind != "dict":
@@ -147,6 +151,45 @@ def _child(parent: Any, k: Any, node: dict[str, Any], path: str, m: Manifest, pl
             parent[k] = statetree.build(node, ts)
 
         plan.steps.append(assign)
+
+
+def _load(live: Any, node: dict[str, Any], where: str, ts: Mapping[str, torch.Tensor]) -> None:
+    """``live.load_state_dict`` of the saved state; what it refuses is a StateError naming ``where``."""
+    try:
+        live.load_state_dict(statetree.build(node, ts))
+    except Exception as e:
+        raise StateError(f"{where}: {type(live).__name__}.load_state_dict refused the saved state "
+                         f"({type(e).__name__}: {e})") from e
+
+
+def _check_groups(live: Optimizer, node: dict[str, Any], where: str) -> None:
+    """What torch's ``Optimizer.load_state_dict`` checks first, checked on the saved skeleton
+    before any tensor is read, so a mismatch leaves the whole target as it was."""
+    saved = _group_sizes(node)
+    have = [len(g["params"]) for g in live.param_groups]
+    if saved is None:
+        raise StateError(f"{where}: the target is an optimizer, the checkpoint holds no optimizer "
+                         "state ('state' and 'param_groups' with their 'params')")
+    if saved != have:
+        raise StateError(f"{where}: the optimizer's parameter groups hold {have} parameters, "
+                         f"the checkpoint's {saved}")
+
+
+def _group_sizes(node: dict[str, Any]) -> list[int] | None:
+    """The parameters of each group of a saved optimizer state's skeleton (checked by
+    :func:`deltackpt.format.record_checks.check_tree`), or None if it is no such state."""
+    (kind, body), = node.items()
+    fields = dict(body) if kind == "dict" else {}
+    groups = fields.get("param_groups", {})
+    if "state" not in fields or "list" not in groups:
+        return None
+    sizes = []
+    for group in groups["list"]:
+        params = dict(group["dict"]).get("params", {}) if "dict" in group else {}
+        if "list" not in params:
+            return None
+        sizes.append(len(params["list"]))
+    return sizes
 
 
 def fill(plan: RestorePlan, m: Manifest, reader: ChainReader,

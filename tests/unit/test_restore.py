@@ -16,6 +16,7 @@ from deltackpt import (
     StepNotFoundError,
 )
 from helpers import assert_same_state, same_bits
+from hostile import read_record, write_record
 
 
 def model_and_opt(seed: int):
@@ -85,6 +86,53 @@ def test_module_key_mismatch(store_path):
         ckpt.save(0, {"model": model})
         with pytest.raises(KeyMismatchError, match="model/2.weight"):
             ckpt.restore({"model": nn.Sequential(nn.Embedding(50, 4), nn.Linear(4, 2), nn.Linear(2, 2))})
+
+
+def test_an_optimizer_of_other_parameter_groups_is_refused_before_anything_changes(store_path):
+    model, opt = model_and_opt(0)
+    train(model, opt, 2)
+    with Checkpointer(store_path) as ckpt:
+        ckpt.save(0, {"model": model, "optim": opt})
+    model2, _ = model_and_opt(1)
+    before = {k: v.clone() for k, v in model2.state_dict().items()}
+    split = torch.optim.Adagrad([{"params": model2[0].parameters()}, {"params": model2[1].parameters()}])
+    with Checkpointer(store_path) as ckpt:
+        with pytest.raises(StateError, match=r"optim: the optimizer's parameter groups hold \[1, 2\] "
+                                             r"parameters, the checkpoint's \[3\]"):
+            ckpt.restore({"model": model2, "optim": split})
+    assert_same_state(model2.state_dict(), before)
+
+
+def test_a_saved_optimizer_state_torch_refuses_is_a_state_error(store_path):
+    """A record whose optimizer skeleton lacks 'state' (a key renamed in its tree) is refused by
+    name, not by torch's KeyError from deep inside load_state_dict; and whatever an object's
+    load_state_dict refuses is a StateError naming it."""
+    model, opt = model_and_opt(0)
+    train(model, opt, 1)
+    with Checkpointer(store_path) as ckpt:
+        ckpt.save(0, {"model": model, "optim": opt})
+    doc = read_record(store_path, 0)
+    fields = dict(doc["tree"]["dict"])["optim"]["dict"]
+    assert fields[0][0] == "state"
+    fields[0][0] = "stbte"
+    write_record(store_path, 0, doc)
+    with Checkpointer(store_path, create=False) as ckpt:
+        model2, opt2 = model_and_opt(1)
+        with pytest.raises(StateError, match="optim: the target is an optimizer, the checkpoint holds no"):
+            ckpt.restore({"model": model2, "optim": opt2})
+
+    class Picky:
+        def state_dict(self):
+            return {"n": 1}
+
+        def load_state_dict(self, state):
+            raise ValueError(f"n must be 2, got {state['n']}")
+
+    with Checkpointer(store_path) as ckpt:
+        ckpt.save(1, {"picky": Picky()})
+        refused = r"picky: Picky.load_state_dict refused the saved state \(ValueError: n must be 2, got 1\)"
+        with pytest.raises(StateError, match=refused):
+            ckpt.restore({"picky": Picky()}, 1)
 
 
 def test_saving_a_committed_step_fails_and_changes_nothing(store_path):
