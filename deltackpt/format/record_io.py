@@ -44,7 +44,7 @@ def checksum(data: bytes) -> str:
 
 # A root's last field: the checksum of its text without that field (see docs/format.md).
 _SEALED = re.compile(rb',"checksum":"([0-9a-f]{16})"}')
-_SEAL_BYTES = 31  # len(',"checksum":"') + 16 hex digits + len('"}')
+_SEAL_BYTES = len(b',"checksum":"') + 16 + len(b'"}')
 
 
 def seal(root: bytes) -> bytes:

@@ -112,7 +112,7 @@ def _walk(live: Any, node: dict[str, Any], path: str, m: Manifest, plan: Restore
         return
     if statetree.is_stateful(live) and not isinstance(live, Mapping):
         # Optimizers: the live state may be empty (not stepped yet), so load the saved one whole.
-        if isinstance(live, torch.optim.Optimizer) and type(live).state_dict is Optimizer.state_dict:
+        if isinstance(live, Optimizer) and type(live).state_dict is Optimizer.state_dict:
             _check_groups(live, node, where)  # torch's own format
         plan.covered.update(statetree.tensor_keys(node))
         plan.steps.append(partial(_load, live, node, where))
