@@ -32,6 +32,22 @@ class CountingStorage(MemoryStorage):
         self.chunks += "/c." in key
 
 
+class GatedStorage(CountingStorage):
+    """Counts the chunk files written, each once ``gate`` is open (or after 10 s): a chunk the
+    caller waited for still counts, and none written after the call can count before the caller
+    looks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def write(self, key, parts):
+        if "/c." in key:
+            self.gate.wait(10)
+        super().write(key, parts)
+
+
 def stage(w: StepWriter, tables: list[torch.Tensor]) -> None:
     cs = FULL.chunk_shape((ROWS, COLS), 4, ROWS, (16 << 10, 16 << 10), None)
     for i, t in enumerate(tables):
@@ -134,7 +150,7 @@ def test_a_held_copy_too_small_to_split_asks_for_no_core_count(monkeypatch):
 
 
 def test_a_background_base_into_touched_buffers_writes_after_the_call():
-    storage = CountingStorage()
+    storage = GatedStorage()
     t = torch.randn(1 << 14, 64)  # 4 MiB: 4 chunks of 1 MiB
     with Checkpointer(storage, policy=EveryK(1), chunk_bytes=1 << 20, memory_budget=16 << 20) as ckpt:
         ckpt.save(0, {"t": t}, blocking=False).result()
@@ -142,7 +158,9 @@ def test_a_background_base_into_touched_buffers_writes_after_the_call():
         run_ahead(warmed.set)  # after the buffers the first base asked to be touched
         assert warmed.wait(30)
         files = storage.chunks
+        storage.gate.clear()
         handle = ckpt.save(1, {"t": t * 2}, blocking=False)
         assert storage.chunks == files  # no chunk written before staging returned
+        storage.gate.set()
         assert handle.result().kind == "base" and storage.chunks == files + 4
         assert torch.equal(ckpt.load(1)["t"], t * 2)
