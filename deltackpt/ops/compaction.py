@@ -128,18 +128,22 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
         # Blocks come from a pool of their own: reads wait on the main pool, and a read must
         # never wait for a block that a queued write would free.
         blocks = StagingPool(2, sizes[0])
-        for i, (key, lo, n, packed) in enumerate(work.units):
-            if i % coll.size != coll.rank:
-                continue
-            rec = m.tensors[key]
-            dt = dtypes.from_name(rec.dtype)
-            box = Box((lo, *(0,) * (len(rec.shape) - 1)), (n, *rec.shape[1:])) if rec.shape else Box((), ())
-            buf = blocks.acquire(math.prod(box.shape) * _itemsize(rec))
-            block = buf.view(dt).view(box.shape)
-            reader.read(key, block, box)
-            cs = _chunks(rec, sizes)
-            write_block(writer, key, "", block, cs, first_chunk=lo // cs[0] if cs else 0,
-                        release=partial(blocks.release, buf), packed=packed)
+        try:
+            for i, (key, lo, n, packed) in enumerate(work.units):
+                if i % coll.size != coll.rank:
+                    continue
+                rec = m.tensors[key]
+                dt = dtypes.from_name(rec.dtype)
+                box = Box((lo, *(0,) * (len(rec.shape) - 1)), (n, *rec.shape[1:])) if rec.shape else Box((), ())
+                buf = blocks.acquire(math.prod(box.shape) * _itemsize(rec))
+                block = buf.view(dt).view(box.shape)
+                reader.read(key, block, box)
+                cs = _chunks(rec, sizes)
+                write_block(writer, key, "", block, cs, first_chunk=lo // cs[0] if cs else 0,
+                            release=partial(blocks.release, buf), packed=packed)
+        except BaseException:  # a damaged chain: end the writes started, the pack's among them
+            writer.abandon()
+            raise
         try:
             return writer.finish(), writer.packs
         finally:

@@ -8,13 +8,15 @@ import os
 import shutil
 
 import pytest
+import torch
 
 import faults
-from deltackpt import Checkpointer, LocalStorage
+from deltackpt import Checkpointer, IntegrityError, LocalStorage
 from deltackpt.ops.gc import Retention
 from deltackpt.storage import FaultInjection
 from dist_harness import by_file, call, check_ok, run_ranks
 from helpers import assert_same_state
+from hostile import cli, one_line_error, read_record
 
 
 def history(path, steps: range, **kwargs) -> None:
@@ -52,6 +54,33 @@ def test_compaction_shortens_the_chain_and_is_idempotent(tmp_path):
     with Checkpointer(path, create=False) as ckpt:
         assert [m.step for m in ckpt.store.chain(10)] == [6, 7, 8, 9, 10]
     check_all(path, range(1, 11))
+
+
+def test_compaction_of_a_damaged_chain_fails_and_commits_nothing(tmp_path):
+    """The chain's last small tensor is damaged: its read fails once the new base's pack holds
+    the tensors before it, and the pack's write must end with the failure, not wait for more."""
+    path = tmp_path / "store"
+
+    def state(s):
+        table = torch.arange(4096.0).view(512, 8)
+        table[s] += 1
+        return {"table": table, "a": torch.full((10,), float(s)), "z": torch.full((12,), float(s))}
+
+    with Checkpointer(path, base_every=1000, chunk_bytes=1024, memory_budget=8192) as ckpt:
+        for s in range(3):
+            ckpt.save(s, state(s))
+    doc = read_record(path, 2)
+    [part] = doc["tensors"]["z"]["parts"]
+    pack = path / "steps" / doc["attempt"] / part["pack"] / "c.0"
+    data = bytearray(pack.read_bytes())
+    data[part["chunks"]["c.0"][2]] ^= 1
+    pack.write_bytes(bytes(data))
+    assert "z" in one_line_error(cli("compact", str(path), "--upto", "2"))
+    with Checkpointer(path, create=False) as ckpt:
+        with pytest.raises(IntegrityError, match="z"):
+            ckpt.compact(2)
+        assert ckpt.store.compacted(2) is None
+        assert_same_state(ckpt.load(1), state(1))
 
 
 class HookStorage(FaultInjection):
