@@ -33,7 +33,7 @@ from typing import Any, Literal, overload
 import torch
 
 from .collectives import Collective
-from .errors import StepNotFoundError, StoreError
+from .errors import SettingError, StepNotFoundError, StoreError
 from .io.staging import StagingPool
 from .io.threads import run_ahead, started_pool
 from .ops.compaction import CompactInfo, compact
@@ -121,9 +121,9 @@ class Checkpointer:
         for name, value in (("chunk_bytes", chunk_bytes), ("dense_chunk_bytes", dense_chunk_bytes),
                             ("io_threads", io_threads), ("threads", threads)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+                raise SettingError(f"{name} must be a positive int, got {value!r}")
         if memory_budget < 2 * chunk_bytes:
-            raise ValueError(f"memory_budget ({memory_budget}) must hold two chunks of {chunk_bytes} B")
+            raise SettingError(f"memory_budget ({memory_budget}) must hold two chunks of {chunk_bytes} B")
         self.policy: BasePolicy = policy if policy is not None else EveryK(base_every)
         self._quantize = QuantizePlan(quantize)  # and the restores made, carried through records
         self._coll = Collective(process_group, timeout=timeout, coordinator_rank=coordinator_rank)

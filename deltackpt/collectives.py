@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from .errors import REQUEST_ERRORS, CheckpointAborted, DeltackptError
+from .errors import REQUEST_ERRORS, CheckpointAborted, DeltackptError, SettingError
 from .wire import Wire
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class Collective:
                                             timeout=timeout)
             self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
         if not 0 <= coordinator_rank < self.size:
-            raise ValueError(f"coordinator_rank must be in [0, {self.size}), got {coordinator_rank}")
+            raise SettingError(f"coordinator_rank must be in [0, {self.size}), got {coordinator_rank}")
         self.coordinator = coordinator_rank
         self._wire: Wire | None = Wire(self.group, self.rank, self.size, coordinator_rank)
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .checkpointer import Checkpointer, SaveInfo
-from .errors import HookClosedError, StateError
+from .errors import HookClosedError, SettingError, StateError
 from .save.pending import SaveHandle
 from .statetree import child_key, is_stateful, walk
 from .storage import Storage
@@ -60,7 +60,7 @@ class CheckpointHook:
             is staged and writes in the background (see :meth:`Checkpointer.save`).
 
     Raises:
-        ValueError: ``every`` is not a positive int.
+        SettingError: ``every`` is not a positive int.
         StateError: ``state`` is not a mutable mapping, or ``model`` is not inside it.
 
     Example:
@@ -87,7 +87,7 @@ class CheckpointHook:
         blocking: bool = False,
     ):
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ValueError(f"every must be a positive int, got {every!r}")
+            raise SettingError(f"every must be a positive int, got {every!r}")
         if not isinstance(state, MutableMapping):
             raise StateError(f"state must be a mutable mapping, got {type(state).__name__}")
         self.every = every
@@ -158,12 +158,12 @@ class CheckpointHook:
             What the save did, or None when no save was due or ``step`` is committed already.
 
         Raises:
-            ValueError: ``step`` is not a non-negative int.
+            SettingError: ``step`` is not a non-negative int.
             HookClosedError: the hook is closed.
         """
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+            raise SettingError(f"step must be a non-negative int, got {step!r}")
         return self.save(step) if step % self.every == 0 else None
 
     def save(self, step: int) -> SaveInfo | SaveHandle | None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from .errors import SettingError
+
 
 @dataclass(frozen=True)
 class ChainState:
@@ -67,9 +69,9 @@ class EveryK:
 
     def __post_init__(self) -> None:
         if not isinstance(self.every, int) or self.every < 1:
-            raise ValueError(f"every must be a positive int, got {self.every!r}")
+            raise SettingError(f"every must be a positive int, got {self.every!r}")
         if not 0 < self.max_delta_fraction <= 1:
-            raise ValueError(f"max_delta_fraction must be in (0, 1], got {self.max_delta_fraction!r}")
+            raise SettingError(f"max_delta_fraction must be in (0, 1], got {self.max_delta_fraction!r}")
 
     def decide(self, chain: ChainState, delta_bytes: int, full_bytes: int) -> Decision:
         if chain.deltas + 1 >= self.every:
@@ -96,7 +98,7 @@ class Intermittent:
 
     def __post_init__(self) -> None:
         if not self.max_fraction > 0:
-            raise ValueError(f"max_fraction must be positive, got {self.max_fraction!r}")
+            raise SettingError(f"max_fraction must be positive, got {self.max_fraction!r}")
 
     def decide(self, chain: ChainState, delta_bytes: int, full_bytes: int) -> Decision:
         total = chain.delta_bytes + delta_bytes
@@ -142,7 +144,7 @@ class ChainLimit:
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_deltas, int) or self.max_deltas < 0:
-            raise ValueError(f"max_deltas must be a non-negative int, got {self.max_deltas!r}")
+            raise SettingError(f"max_deltas must be a non-negative int, got {self.max_deltas!r}")
 
     @property
     def differential(self) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .errors import StateError
+from .errors import SettingError, StateError
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def row_block(shape: tuple[int, ...], rank: int, world_size: int) -> Box:
     """Rank ``rank``'s rows of a row-wise sharding over ``world_size`` ranks (``torch.chunk``'s
     blocks of ``ceil(rows / world_size)``; the last ranks may get fewer rows, or none)."""
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        raise SettingError(f"rank must be in [0, {world_size}), got {rank}")
     block = -(-shape[0] // world_size)
     lo = min(shape[0], rank * block)
     hi = min(shape[0], lo + block)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from ..checkpointer import Checkpointer
+from ..errors import SettingError
 from ..hooks import CheckpointHook
 from ..storage import Storage
 
@@ -21,7 +22,7 @@ class AdapterSettings:
             commit in the background once the state is staged).
 
     Raises:
-        ValueError: ``every`` is not a positive int.
+        SettingError: ``every`` is not a positive int.
     """
 
     def __init__(
@@ -34,7 +35,7 @@ class AdapterSettings:
         blocking: bool = False,
     ):
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ValueError(f"every must be a positive int, got {every!r}")
+            raise SettingError(f"every must be a positive int, got {every!r}")
         self.checkpointer = checkpointer
         self.every = every
         self.resume = resume

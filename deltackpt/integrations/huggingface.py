@@ -58,7 +58,7 @@ class DeltackptTrainerCallback(AdapterSettings, TrainerCallback):
         track: track the model's embedding rows (see :class:`~deltackpt.hooks.CheckpointHook`).
 
     Raises:
-        ValueError: ``every`` is not a positive int.
+        SettingError: ``every`` is not a positive int.
 
     Example:
         >>> import tempfile

@@ -47,7 +47,7 @@ class DeltackptCallback(AdapterSettings, pl.Callback):
             :class:`~deltackpt.hooks.CheckpointHook`).
 
     Raises:
-        ValueError: ``every`` is not a positive int.
+        SettingError: ``every`` is not a positive int.
 
     Example:
         >>> import tempfile

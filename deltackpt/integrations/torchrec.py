@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from ..errors import StateError
+from ..errors import SettingError, StateError
 from ..sharding import Shard, is_dtensor, is_sharded_tensor
 
 CONVERSIONS = ("column_mean",)
@@ -74,7 +74,7 @@ class Convert:
 
     def __post_init__(self) -> None:
         if self.momentum not in CONVERSIONS:
-            raise ValueError(f"momentum conversion must be one of {CONVERSIONS}, got {self.momentum!r}")
+            raise SettingError(f"momentum conversion must be one of {CONVERSIONS}, got {self.momentum!r}")
 
 
 def handles(obj: object) -> bool:

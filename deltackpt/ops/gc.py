@@ -59,7 +59,7 @@ class Retention:
         for name in ("keep_last", "keep_every"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+                raise SettingError(f"{name} must be a positive int or None, got {value!r}")
 
     def retained(self, steps: list[int]) -> set[int]:
         if self.keep_last is None:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .. import kernels  # installed from kernels/, see pyproject
+from ..errors import SettingError
 
 
 @dataclass(frozen=True)
@@ -73,12 +74,12 @@ class Canary:
 
     def __post_init__(self) -> None:
         if not 0 <= self.fraction <= 1:
-            raise ValueError(f"fraction must be in [0, 1], got {self.fraction!r}")
+            raise SettingError(f"fraction must be in [0, 1], got {self.fraction!r}")
         if not isinstance(self.min_rows, int) or self.min_rows < 1:
-            raise ValueError(f"min_rows must be a positive int, got {self.min_rows!r}")
+            raise SettingError(f"min_rows must be a positive int, got {self.min_rows!r}")
         if self.audit_every is not None and (not isinstance(self.audit_every, int)
                                              or self.audit_every < 1):
-            raise ValueError(f"audit_every must be a positive int or None, got {self.audit_every!r}")
+            raise SettingError(f"audit_every must be a positive int or None, got {self.audit_every!r}")
 
     def sample_size(self, rows: int) -> int:
         """Rows to draw from a table of ``rows`` rows."""

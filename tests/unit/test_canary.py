@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from deltackpt import Canary, Checkpointer, EveryK, MemoryStorage
+from deltackpt import Canary, Checkpointer, EveryK, MemoryStorage, SettingError
 
 ROWS = 1000
 WARNING = "changed in rows that no lookup marked"
@@ -99,6 +99,13 @@ def test_detection_probability_edges():
     assert c.detection_probability(100, 1) == pytest.approx(0.1)
     assert c.detection_probability(100, 91) == 1.0
     assert Canary(min_rows=1024).detection_probability(1000, 1) == 1.0
+
+
+@pytest.mark.parametrize("bad", [{"fraction": 1.5}, {"min_rows": 0}, {"audit_every": 0}])
+def test_bad_settings_are_named(bad):
+    (name, value), = bad.items()
+    with pytest.raises(SettingError, match=f"{name} must .*, got {value}"):
+        Canary(**bad)
 
 
 @pytest.mark.parametrize("every", [1, 3])

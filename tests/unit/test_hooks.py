@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltackpt import Checkpointer, StateError, StepNotFoundError
+from deltackpt import Checkpointer, SettingError, StateError, StepNotFoundError
 from deltackpt.datasets import CriteoConfig
 from deltackpt.examples import TrainState, deterministic, dlrm_run, train
 from deltackpt.hooks import CheckpointHook, HookClosedError
@@ -165,12 +165,12 @@ def test_close_removes_tracking_and_closes_only_what_it_opened(store_path, tmp_p
 
 
 def test_bad_arguments(store_path):
-    with pytest.raises(ValueError, match="every must be a positive int, got 0"):
+    with pytest.raises(SettingError, match="every must be a positive int, got 0"):
         CheckpointHook(store_path, {}, every=0)
     with pytest.raises(StateError, match="mutable mapping, got list"):
         CheckpointHook(store_path, [], every=1)
     with pytest.raises(StateError, match="is not in the state"):
         CheckpointHook(store_path, {"w": torch.zeros(1)}, every=1, model=nn.Linear(1, 1))
     with CheckpointHook(store_path, {}, every=1) as hook:
-        with pytest.raises(ValueError, match="non-negative int, got -1"):
+        with pytest.raises(SettingError, match="non-negative int, got -1"):
             hook.on_step_end(-1)

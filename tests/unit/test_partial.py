@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from deltackpt import Checkpointer, KeyMismatchError, LocalStorage, StateError
+from deltackpt import Checkpointer, KeyMismatchError, LocalStorage, SettingError, StateError
 from deltackpt.io.partial import select_keys
 from helpers import same_bits
 
@@ -111,5 +111,7 @@ def test_keys_select_by_name_prefix_and_glob(tmp_path):
             ckpt.load(2, key="count", rows=[0])
         with pytest.raises(StateError, match="together"):
             ckpt.load(2, rows=[0])
+        with pytest.raises(SettingError, match=r"rank must be in \[0, 2\), got 2"):
+            ckpt.load(2, row_shard=(2, 2))
     assert select_keys(["model/a.w", "model/b.w", "opt/x"], ["model/*.w"]) == ["model/a.w", "model/b.w"]
     assert select_keys(["model/a.w", "models/b", "opt/x"], ["model"]) == ["model/a.w"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltackpt import Checkpointer
+from deltackpt import Checkpointer, SettingError
+from deltackpt.ops.gc import Retention
 from deltackpt.policy import ChainLimit, ChainState, Differential, EveryK, Intermittent
 from helpers import assert_same_state
 
@@ -56,9 +57,10 @@ def test_chain_limit(store_path):
 
 
 @pytest.mark.parametrize("make", [lambda: EveryK(every=0), lambda: Intermittent(0),
-                                  lambda: ChainLimit(-1), lambda: EveryK(max_delta_fraction=2)])
+                                  lambda: ChainLimit(-1), lambda: EveryK(max_delta_fraction=2),
+                                  lambda: Retention(keep_last=0), lambda: Retention(keep_every=1.5)])
 def test_bad_settings(make):
-    with pytest.raises(ValueError):
+    with pytest.raises(SettingError):
         make()
 
 

@@ -10,6 +10,7 @@ from deltackpt import (
     Checkpointer,
     DtypeMismatchError,
     KeyMismatchError,
+    SettingError,
     ShapeMismatchError,
     StateError,
     StepExistsError,
@@ -165,7 +166,9 @@ def test_unsupported_values(store_path, bad):
 
 
 def test_constructor_validation(store_path):
-    with pytest.raises(ValueError, match="chunk_bytes must be a positive int, got 0"):
+    with pytest.raises(SettingError, match="chunk_bytes must be a positive int, got 0"):
         Checkpointer(store_path, chunk_bytes=0)
-    with pytest.raises(ValueError, match="memory_budget"):
+    with pytest.raises(SettingError, match="memory_budget"):
         Checkpointer(store_path, chunk_bytes=1 << 20, memory_budget=1 << 20)
+    with pytest.raises(SettingError, match=r"coordinator_rank must be in \[0, 1\), got 1"):
+        Checkpointer(store_path, coordinator_rank=1)

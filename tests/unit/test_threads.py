@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from deltackpt import Checkpointer, kernels
+from deltackpt import Checkpointer, SettingError, kernels
 from deltackpt.io import threads as io_threads
 from deltackpt.io.threads import idle_cores, run_shared
 from deltackpt.tracking import hashing
@@ -71,7 +71,7 @@ def test_a_save_uses_at_most_its_threads(tmp_path, threads, one_torch_thread):
 
 
 def test_threads_must_be_positive(tmp_path):
-    with pytest.raises(ValueError, match="threads must be a positive int, got 0"):
+    with pytest.raises(SettingError, match="threads must be a positive int, got 0"):
         Checkpointer(tmp_path, threads=0)
 
 
