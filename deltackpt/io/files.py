@@ -87,25 +87,30 @@ class FileWrites:
         outside the queues (a pack's file, which holds its thread until the pack ends)."""
 
         def job() -> None:
+            h = xxhash.xxh3_64()
+            size = 0
+
+            def hashed() -> Iterator[memoryview]:
+                nonlocal size
+                for p in parts():
+                    h.update(p)
+                    size += p.nbytes
+                    yield p
+
+            pieces = hashed()
             try:
                 self._pass_gate()
                 before()
-                h = xxhash.xxh3_64()
-                size = 0
-
-                def hashed() -> Iterator[memoryview]:
-                    nonlocal size
-                    for p in parts():
-                        h.update(p)
-                        size += p.nbytes
-                        yield p
-
-                self._storage.write(path, hashed())
+                self._storage.write(path, pieces)
                 with self._lock:
                     if record:
                         record(size, h.hexdigest())
                     self.written.append(path)
             finally:
+                # Closed here, and with it the stream it reads: a write that failed part way
+                # leaves both suspended in its error's frames, a pack's staging buffer with them,
+                # for as long as the error is kept.
+                pieces.close()
                 release()
 
         if at_once:

@@ -3,10 +3,12 @@ and checksum recorded."""
 
 from __future__ import annotations
 
+import gc
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
 import torch
 import xxhash
 
@@ -200,3 +202,36 @@ def test_a_failed_hash_fails_the_file_and_gives_back_its_buffer(monkeypatch):
     assert "c.0.0" not in w.results[("t", "")]
     bufs = [pool.acquire(pool.nbytes) for _ in range(pool.buffers)]  # none is still held
     assert len(bufs) == pool.buffers
+
+
+class FailingMidWrite(MemoryStorage):
+    """A store whose write of ``key`` takes the first piece of its bytes, then fails (a disk that
+    fills up part way)."""
+
+    def __init__(self, key: str):
+        super().__init__()
+        self.key = key
+
+    def write(self, key, parts):
+        if key != self.key:
+            return super().write(key, parts)
+        for i, _ in enumerate(parts):
+            if i:
+                raise OSError(28, "No space left on device")
+
+
+def test_a_pack_write_failing_part_way_gives_back_every_buffer():
+    # The failure is kept (a background save raises it at the next call), and with it the frames
+    # of the write; the stream's buffer must not wait for them to be collected.
+    storage, pool = FailingMidWrite("steps/8-h/pack.0/c.0"), StagingPool(4, 64)
+    t = torch.arange(400, dtype=torch.float32).reshape(100, 4)
+    gc.disable()
+    try:
+        with ThreadPoolExecutor(2) as ex:
+            w = StepWriter(storage, "steps/8-h", pool, ex, pack="pack.0")
+            get("rows").encode(w, "t", "", t, torch.arange(0, 100, 3), (8, 4))  # pieces of 64 B
+            with pytest.raises(OSError, match="No space") as failure:
+                w.finish()
+        assert all(pool._slots.acquire(timeout=5) for _ in range(4)), failure  # every buffer came back
+    finally:
+        gc.enable()
