@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Executor, Future
 
 import xxhash
@@ -90,7 +90,7 @@ class FileWrites:
             h = xxhash.xxh3_64()
             size = 0
 
-            def hashed() -> Iterator[memoryview]:
+            def hashed() -> Generator[memoryview, None, None]:
                 nonlocal size
                 for p in parts():
                     h.update(p)
