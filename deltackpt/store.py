@@ -323,12 +323,13 @@ def _chain(step: int, record: Callable[[int], R], compacted: Callable[[int], R |
     base compaction made for a step, if any)."""
 
     def stand_in(at: int, attempt: str | None) -> R | None:
-        """The compacted base of step ``at`` if it stands in for the record ``attempt``."""
+        """The compacted base of step ``at`` if it stands in for the record ``attempt`` or is
+        ``attempt`` itself (a delta saved after a restore that replayed from that base)."""
         try:
             base = compacted(at)
         except ManifestError as e:
             raise BrokenChainError(step, at, str(e)) from None
-        return base if base is not None and base.compacts == attempt else None
+        return base if base is not None and attempt in (base.compacts, base.attempt) else None
 
     head = record(step)
     chain = [stand_in(step, head.attempt) or head]

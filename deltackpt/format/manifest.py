@@ -166,7 +166,8 @@ class Manifest:
         kind: ``"base"`` or ``"delta"``.
         attempt: the folder under ``steps/`` holding this step's arrays (unique per save attempt).
         parent: the step this delta applies to (None for a base).
-        parent_attempt: the parent's attempt, checked on replay so deltas of two lineages never mix.
+        parent_attempt: the parent's attempt, or that of the compacted base the parent was
+            restored from; checked on replay so deltas of two lineages never mix.
         base: the step of the base this step's chain starts from (itself for a base).
         chain_length: deltas between the base and this step, this one included.
         world_size: ranks that saved it.

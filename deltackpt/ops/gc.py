@@ -194,13 +194,10 @@ def _chain_of(store: Store, head: tuple[int, str], deleted: dict[str, bytes]) ->
             return None
 
     step, attempt = head
-    base = record(base_key(step))
-    if base is not None and base.attempt == attempt:
-        return [base]
     chain: list[Manifest] = []
     while True:
         base = record(base_key(step))
-        if base is not None and base.compacts == attempt:
+        if base is not None and attempt in (base.compacts, base.attempt):
             return [base, *chain]
         m = record(commit_key(step))
         if m is None or m.attempt != attempt:

@@ -12,7 +12,8 @@ import torch
 
 import faults
 from deltackpt import Checkpointer, IntegrityError, LocalStorage
-from deltackpt.ops.gc import Retention
+from deltackpt.ops import lease
+from deltackpt.ops.gc import Retention, holder_chain
 from deltackpt.storage import FaultInjection
 from dist_harness import by_file, call, check_ok, run_ranks
 from helpers import assert_same_state
@@ -54,6 +55,33 @@ def test_compaction_shortens_the_chain_and_is_idempotent(tmp_path):
     with Checkpointer(path, create=False) as ckpt:
         assert [m.step for m in ckpt.store.chain(10)] == [6, 7, 8, 9, 10]
     check_all(path, range(1, 11))
+
+
+def test_a_job_resumed_from_a_compacted_step_builds_on_its_new_base(tmp_path):
+    """``compact()`` folds the latest step; a job that restores that step replays the new base
+    alone, and its deltas name that base as their parent. Their chains stop there: for restores,
+    for GC (the retained chains and the lease holder's) and for a later compaction."""
+    path = tmp_path / "store"
+    history(path, range(1, 6))
+    with Checkpointer(path, create=False) as ckpt:
+        assert ckpt.compact().step == 5
+    history(path, range(6, 8))
+    with Checkpointer(path, create=False) as ckpt:
+        chain = ckpt.store.chain(7)
+        assert [m.step for m in chain] == [5, 6, 7] and chain[0].compacts is not None
+        six = ckpt.store.manifest(6)
+        assert six.parent_attempt == chain[0].attempt
+        holder = lease.Lease("h", 1, 0.0, 0.0, 30.0, head=(6, six.attempt))
+        assert [m.attempt for m in holder_chain(ckpt.store, holder)] == [chain[0].attempt, six.attempt]
+    check_all(path, range(1, 8))
+    with Checkpointer(path, create=False) as ckpt:
+        report = ckpt.gc(Retention(keep_last=2), grace_seconds=0)
+        assert report.dropped_steps == [1, 2, 3, 4, 5]
+        assert ckpt.compact().step == 7
+    history(path, range(8, 9))
+    with Checkpointer(path, create=False) as ckpt:
+        assert [m.step for m in ckpt.store.chain(8)] == [7, 8]
+    check_all(path, [6, 7, 8])
 
 
 def test_compaction_of_a_damaged_chain_fails_and_commits_nothing(tmp_path):
