@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from . import statetree
-from .errors import MissingChunkError, StepNotFoundError, StreamGapError
+from .errors import ManifestError, MissingChunkError, StepNotFoundError, StreamGapError
 from .format import dtypes
 from .format.manifest import Manifest, PartRecord, TensorRecord
 from .io.reader import ChainReader
@@ -139,8 +139,8 @@ def deltas(store: Store, pool: StagingPool, executor: Executor, since: int | Non
                 f"cannot follow from step {prev}: step {step} applies to step {m.parent}, which was "
                 f"garbage-collected; start again from a base: load({step}), then deltas(since={step})")
         try:
-            if (m.kind == "delta" and m.parent == prev
-                    and (prev_attempt is None or m.parent_attempt == prev_attempt)):
+            if (m.kind == "delta" and prev is not None and m.parent == prev
+                    and _builds_on(store, prev, prev_attempt, m.parent_attempt)):
                 changes = _StepReader(store.storage, [m], pool, executor).changes(m)
                 yield StepDelta(step, "delta", prev, m.tree, changes)
             else:
@@ -162,6 +162,19 @@ def _whole(store: Store, step: int, pool: StagingPool, executor: Executor) -> tu
         reader.read(key, t)
         out.append(TensorDelta(key, None, t))
     return tuple(out)
+
+
+def _builds_on(store: Store, step: int, attempt: str | None, parent_attempt: str | None) -> bool:
+    """Whether a delta whose parent is ``parent_attempt`` applies to the record of ``step`` saved
+    as ``attempt`` (None: any): that record, or the base compaction made of it (a writer that
+    restored ``step`` replayed that base, and names it as the parent)."""
+    if attempt is None or parent_attempt == attempt:
+        return True
+    try:
+        base = store.compacted(step)
+    except ManifestError:
+        return False  # the step comes whole, and reading its chain names the damage
+    return base is not None and base.compacts == attempt and base.attempt == parent_attempt
 
 
 def _attempt(store: Store, step: int | None) -> str | None:

@@ -84,6 +84,28 @@ def test_replica_equals_load_at_every_step_through_compaction_and_gc(tmp_path, p
         assert restart.step == 18
 
 
+def test_a_job_resumed_from_a_compacted_step_streams_deltas(tmp_path):
+    """A job restores the step compaction just folded (from its new base) and saves on: its
+    first delta applies to that step, and comes as a delta."""
+    model, opt = make_state()
+    with Checkpointer(tmp_path / "s") as ckpt:
+        ckpt.track(model, optimizer=opt)
+        for step in (1, 2):
+            train(model, opt, step)
+            ckpt.save(step, {"model": model, "optim": opt, "step": step})
+        assert ckpt.compact().step == 2
+    replica = Replica()
+    with Checkpointer(tmp_path / "s", create=False) as ckpt:
+        ckpt.track(model, optimizer=opt)
+        state = {"model": model, "optim": opt, "step": 0}
+        assert ckpt.restore(state) == 2
+        for step in (3, 4):
+            train(model, opt, step)
+            assert ckpt.save(step, {**state, "step": step}).kind == "delta"
+        replica.follow(ckpt)
+    assert replica.kinds == ["full", "delta", "delta", "delta"]
+
+
 def test_tail_prints_json_lines_and_safetensors(tmp_path, capsys):
     t = torch.zeros(50, 4)
     bias = torch.zeros(10)
