@@ -1,6 +1,6 @@
 """Faults between the checkpointer and the S3 server (a proxy on 127.0.0.1), and a writer killed
-mid-save: no partial step is ever visible, every committed step restores bit-exactly, and nothing
-a record names is gone."""
+mid-save or beside compaction and GC: no partial step is ever visible, every committed step
+restores bit-exactly, and nothing a record names is gone."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import uuid
 
 import pytest
 import torch
+from maintenance_procs import run_and_kill
 from s3_proxy import Fault, S3Proxy
 from s3_saver import reference
 from s3_server import BUCKET
@@ -135,3 +136,10 @@ def test_a_writer_killed_mid_save_leaves_only_whole_steps(s3_server):
 @pytest.mark.slow
 def test_a_writer_killed_mid_save_leaves_only_whole_steps_many_times(s3_server):
     kill_mid_save(s3_server, rounds=10, seed=1)
+
+
+@pytest.mark.slow
+def test_maintenance_beside_a_writer_all_killed_at_random(s3_server, tmp_path):
+    """A writer, a compactor, a GC and a reader, killed at random (see ``maintenance_procs``)."""
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}"
+    run_and_kill(url, s3_server.options(), tmp_path / "logs", seconds=120, seed=2)
