@@ -123,7 +123,9 @@ class Storage(Protocol):
         nothing changed). Every process sees the change once it returns; after a power cut the
         object may hold the bytes before it, never a mix. Meant for small objects that only live
         processes act on (the writer lease): object stores implement it with a conditional put
-        or delete on the object's ETag."""
+        or delete on the object's ETag. ``new`` must be bytes no other swap writes (the lease's
+        name their holder and time): a request sent again and refused tells whether its first
+        try went through by the bytes the object holds."""
 
     def delete(self, key: str) -> None:
         """Removes object ``key`` if present."""

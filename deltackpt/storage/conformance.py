@@ -62,23 +62,25 @@ class StorageConformance:
         assert storage.size("writer.lease") is None
 
     def test_swap_loses_no_update_among_8_threads(self, tmp_path: Path) -> None:
+        # Each swap writes bytes of its own, as swap asks (the count, then who wrote it).
         storage = self.make_storage(tmp_path)
-        storage.swap("writer.lease", None, b"0")
+        storage.swap("writer.lease", None, b"0 start")
         start = threading.Barrier(8)
 
-        def count_up() -> None:
+        def count_up(thread: int) -> None:
             start.wait()
             done = 0
             while done < 25:
                 seen = storage.read("writer.lease")
-                done += storage.swap("writer.lease", seen, str(int(seen) + 1).encode())
+                count = int(seen.split()[0]) + 1
+                done += storage.swap("writer.lease", seen, f"{count} {thread}.{done}".encode())
 
-        threads = [threading.Thread(target=count_up) for _ in range(8)]
+        threads = [threading.Thread(target=count_up, args=(i,)) for i in range(8)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        assert storage.read("writer.lease") == b"200"
+        assert storage.read("writer.lease").split()[0] == b"200"
 
     def test_write_read_size_list(self, tmp_path: Path) -> None:
         storage = self.make_storage(tmp_path)
