@@ -198,7 +198,14 @@ def ranks_compact(rank: int, world: int, path: str) -> list[int]:
         return sorted({len(p.chunks) for p in m.tensors["table"].parts})
 
 
+def ranks_resume(rank: int, world: int, path: str) -> list[str]:
+    with Checkpointer(path, create=False, chunk_bytes=64, memory_budget=1024) as ckpt:
+        assert ckpt.restore(faults.state_at(4)) == 4
+        return [ckpt.save(s, faults.state_at(s)).kind for s in (5, 6)]
+
+
 def test_compaction_spread_over_ranks(tmp_path):
+    """Compacted on 2 ranks; then resumed from the new base on 3, with deltas."""
     path = str(tmp_path / "store")
     history(path, range(1, 5))
     results = check_ok(run_ranks(ranks_compact, 2, str(tmp_path), path))
@@ -206,3 +213,8 @@ def test_compaction_spread_over_ranks(tmp_path):
     check_all(path, range(1, 5))
     with Checkpointer(path, create=False) as ckpt:
         assert [m.step for m in ckpt.store.chain(4)] == [4]
+    assert check_ok(run_ranks(ranks_resume, 3, str(tmp_path), path)) == [["delta", "delta"]] * 3
+    check_all(path, range(1, 7))
+    with Checkpointer(path, create=False) as ckpt:
+        assert [m.step for m in ckpt.store.chain(6)] == [4, 5, 6]
+        assert ckpt.store.manifest(6).world_size == 3
