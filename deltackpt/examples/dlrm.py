@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..datasets import NUM_DENSE, CriteoBatch, CriteoConfig
+from ..errors import SettingError
 
 SPARSE_OPTIMIZERS = ("sgd", "adagrad", "sparse_adam")
 """Optimizers :func:`dlrm_optimizers` can put on the embedding tables; each updates only the
@@ -32,7 +33,7 @@ class DLRMConfig:
     and top MLP 512-256-1; the defaults here are a CPU-sized version of that.
 
     Raises:
-        ValueError: a field is out of range; the message names the field and the value.
+        SettingError: a field is out of range; the message names the field and the value.
 
     Example:
         >>> DLRMConfig(table_sizes=(10, 20), embedding_dim=8, bottom_mlp=(16, 8)).num_tables
@@ -53,19 +54,19 @@ class DLRMConfig:
     def __post_init__(self) -> None:
         sizes = tuple(self.table_sizes)
         if not sizes or any(not isinstance(n, int) or n < 1 for n in sizes):
-            raise ValueError(f"table_sizes must be positive ints, got {self.table_sizes!r}")
+            raise SettingError(f"table_sizes must be positive ints, got {self.table_sizes!r}")
         object.__setattr__(self, "table_sizes", sizes)
         for name in ("embedding_dim", "num_dense"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+                raise SettingError(f"{name} must be a positive int, got {value!r}")
         for name in ("bottom_mlp", "top_mlp"):
             widths = tuple(getattr(self, name))
             if any(not isinstance(w, int) or w < 1 for w in widths):
-                raise ValueError(f"{name} must hold positive ints, got {getattr(self, name)!r}")
+                raise SettingError(f"{name} must hold positive ints, got {getattr(self, name)!r}")
             object.__setattr__(self, name, widths)
         if not self.bottom_mlp or self.bottom_mlp[-1] != self.embedding_dim:
-            raise ValueError(
+            raise SettingError(
                 f"bottom_mlp must end in embedding_dim ({self.embedding_dim}) so its output joins "
                 f"the dot interaction, got {self.bottom_mlp!r}"
             )
@@ -182,7 +183,7 @@ def dlrm_optimizers(
         ``{"sparse": ..., "dense": ...}``.
 
     Raises:
-        ValueError: ``sparse`` names no supported optimizer.
+        SettingError: ``sparse`` names no supported optimizer.
 
     Example:
         >>> model = DLRM(DLRMConfig(table_sizes=(10,), embedding_dim=4, bottom_mlp=(4,)))
@@ -190,7 +191,7 @@ def dlrm_optimizers(
         ['dense', 'sparse']
     """
     if sparse not in SPARSE_OPTIMIZERS:
-        raise ValueError(f"sparse must be one of {SPARSE_OPTIMIZERS}, got {sparse!r}")
+        raise SettingError(f"sparse must be one of {SPARSE_OPTIMIZERS}, got {sparse!r}")
     tables = list(model.embeddings.parameters())
     dense = [*model.bottom.parameters(), *model.top.parameters()]
     if sparse == "sparse_adam":

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..datasets import TokenBatch
+from ..errors import SettingError
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class GPTMoEConfig:
     """Shapes of a :class:`GPTMoE`; every field is validated on construction.
 
     Raises:
-        ValueError: a field is out of range; the message names the field and the value.
+        SettingError: a field is out of range; the message names the field and the value.
 
     Example:
         >>> GPTMoEConfig(num_experts=4, top_k=1).top_k
@@ -62,15 +63,15 @@ class GPTMoEConfig:
                      "top_k", "expert_hidden"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+                raise SettingError(f"{name} must be a positive int, got {value!r}")
         if self.dim % self.num_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must divide dim, got dim={self.dim}")
+            raise SettingError(f"num_heads ({self.num_heads}) must divide dim, got dim={self.dim}")
         if self.top_k > self.num_experts:
-            raise ValueError(
+            raise SettingError(
                 f"top_k must be at most num_experts ({self.num_experts}), got {self.top_k}"
             )
         if not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+            raise SettingError(f"dropout must be in [0, 1), got {self.dropout!r}")
 
 
 class Expert(nn.Module):
@@ -183,11 +184,11 @@ class GPTMoE(nn.Module):
             trainable_blocks: blocks, counted from the top, that keep training.
 
         Raises:
-            ValueError: ``trainable_blocks`` is negative or more than the model has.
+            SettingError: ``trainable_blocks`` is negative or more than the model has.
         """
         n = len(self.blocks)
         if not isinstance(trainable_blocks, int) or not 0 <= trainable_blocks <= n:
-            raise ValueError(
+            raise SettingError(
                 f"trainable_blocks must be an int in [0, {n}], got {trainable_blocks!r}"
             )
         self.requires_grad_(False)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..datasets import CriteoConfig, CriteoStream, TokenStream, TokenStreamConfig
+from ..errors import SettingError
 from ..rng import RngState
 from .dlrm import DLRM, DLRMConfig, dlrm_loss, dlrm_optimizers
 from .gpt_moe import GPTMoE, GPTMoEConfig, gpt_loss, gpt_optimizers
@@ -191,7 +192,7 @@ def gpt_run(
         The state at step 0 and the loss of the batch at a step.
 
     Raises:
-        ValueError: the stream does not fit the model.
+        SettingError: the stream does not fit the model.
 
     Example:
         >>> config = GPTMoEConfig(vocab_size=64, seq_len=8, num_experts=4)
@@ -201,7 +202,7 @@ def gpt_run(
         ['dense']
     """
     if data.vocab_size > config.vocab_size or data.seq_len > config.seq_len:
-        raise ValueError(
+        raise SettingError(
             f"the stream (vocab_size={data.vocab_size}, seq_len={data.seq_len}) does not fit the "
             f"model (vocab_size={config.vocab_size}, seq_len={config.seq_len})"
         )

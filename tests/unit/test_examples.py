@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltackpt import Checkpointer, EveryK
+from deltackpt import Checkpointer, EveryK, SettingError
 from deltackpt.datasets import CriteoConfig, CriteoStream, TokenStreamConfig
 from deltackpt.examples import (
     DLRM,
@@ -44,11 +44,11 @@ def test_dlrm_changes_only_looked_up_rows(sparse):
 
 
 def test_dlrm_config_errors():
-    with pytest.raises(ValueError, match=r"bottom_mlp must end in embedding_dim \(16\).*\(8,\)"):
+    with pytest.raises(SettingError, match=r"bottom_mlp must end in embedding_dim \(16\).*\(8,\)"):
         DLRMConfig(table_sizes=(5,), bottom_mlp=(8,))
-    with pytest.raises(ValueError, match=r"table_sizes must be positive ints, got \(5, 0\)"):
+    with pytest.raises(SettingError, match=r"table_sizes must be positive ints, got \(5, 0\)"):
         DLRMConfig(table_sizes=(5, 0))
-    with pytest.raises(ValueError, match="sparse must be one of"):
+    with pytest.raises(SettingError, match="sparse must be one of"):
         dlrm_optimizers(DLRM(DLRMConfig(table_sizes=(5,), bottom_mlp=(16,))), sparse="adam")
 
 
@@ -95,11 +95,11 @@ def test_finetuning_leaves_frozen_layers_alone_and_deltas_small(store_path):
 
 def test_freeze_and_stream_errors():
     config = GPTMoEConfig(vocab_size=128, seq_len=8, num_layers=2)
-    with pytest.raises(ValueError, match=r"trainable_blocks must be an int in \[0, 2\], got 3"):
+    with pytest.raises(SettingError, match=r"trainable_blocks must be an int in \[0, 2\], got 3"):
         gpt_run(TOKENS, config, trainable_blocks=3)
-    with pytest.raises(ValueError, match="does not fit the model"):
+    with pytest.raises(SettingError, match="does not fit the model"):
         gpt_run(TokenStreamConfig(vocab_size=500, seq_len=8), config)
-    with pytest.raises(ValueError, match=r"num_heads \(3\) must divide dim"):
+    with pytest.raises(SettingError, match=r"num_heads \(3\) must divide dim"):
         GPTMoEConfig(num_heads=3)
 
 
