@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import mmap
 import os
 import statistics
 import time
 from typing import Any
 
 import numpy as np
+
+from deltackpt.io.staging import aligned_buffer
 
 MiB = 1 << 20
 
@@ -81,17 +82,18 @@ def evict(*paths: str, sync: bool = True) -> None:
 
 
 @functools.cache
-def _direct_buffer() -> mmap.mmap:
-    """32 MiB of random bytes, page-aligned (as O_DIRECT needs), made once."""
-    buf = mmap.mmap(-1, 32 * MiB)
-    buf.write(os.urandom(32 * MiB))
-    return buf
+def _direct_buffer() -> memoryview:
+    """32 MiB of random bytes in memory like a staging buffer's (aligned as O_DIRECT needs, in
+    huge pages where the kernel has them: see ``deltackpt.io.staging.aligned_buffer``), made once."""
+    buf = aligned_buffer(32 * MiB)
+    buf.numpy()[:] = np.frombuffer(os.urandom(32 * MiB), np.uint8)
+    return memoryview(buf.numpy())
 
 
 def direct_bandwidth(folder: str, nbytes: int) -> float:
     """GB/s of a fresh file written with O_DIRECT in 32 MiB writes from one aligned buffer, fsync:
     the disk's bandwidth, and the least any writer of ``nbytes`` asks of the machine."""
-    buf = memoryview(_direct_buffer())
+    buf = _direct_buffer()
     path = os.path.join(folder, "direct.bin")
     left = -(-nbytes // 4096) * 4096  # whole blocks, as O_DIRECT needs
     t0 = time.perf_counter()

@@ -3,6 +3,7 @@ the next one of the process until released."""
 
 from __future__ import annotations
 
+import re
 import resource
 import threading
 
@@ -31,15 +32,46 @@ def faults_of(work) -> int:
     return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
 
 
+def huge_bytes(address: int) -> int:
+    """The bytes of this process's memory mapping that holds ``address`` in huge pages."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if m := re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line):
+                inside = int(m[1], 16) <= address < int(m[2], 16)
+            elif inside and line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
 def test_a_warmed_buffer_takes_no_page_fault_at_its_first_copy():
     n = 40 * MiB  # above malloc's largest mmap threshold: fresh pages, never a freed block's
     src = torch.ones(n, dtype=torch.uint8)
     cold, warm = StagingPool(2, n), StagingPool(2, n)
     warm.warm(2)
-    cold_faults = faults_of(lambda: cold.acquire(n).copy_(src))
+    buf = cold.acquire(n)
+    cold_faults = faults_of(lambda: buf.copy_(src))
     warm_faults = faults_of(lambda: warm.acquire(n).copy_(src))
-    assert cold_faults >= n // 4096 // 2  # at least half its pages (huge pages aside)
-    assert warm_faults < 64
+    pages = n // (staging.HUGE_PAGE if huge_bytes(buf.data_ptr()) else 4096)
+    assert cold_faults >= pages // 4  # a quarter of its pages at least: torch's threads take the others
+    assert warm_faults < min(64, pages // 4)
+
+
+def test_a_large_buffer_is_in_huge_pages_where_the_kernel_has_them():
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            modes = f.read()
+    except OSError:
+        pytest.skip("no transparent huge pages on this kernel")
+    if "[never]" in modes:
+        pytest.skip("transparent huge pages are off on this machine")
+    pool = StagingPool(1, 8 * MiB + 4096)
+    buf = pool.acquire(8 * MiB + 4096)
+    buf.fill_(1)
+    assert buf.data_ptr() % staging.HUGE_PAGE == 0
+    assert huge_bytes(buf.data_ptr()) >= 4 * MiB  # half of its whole huge pages at least
+    small = StagingPool(1, 1 * MiB).acquire(1 * MiB)
+    assert small.data_ptr() % 4096 == 0
 
 
 def test_a_pool_closed_while_warming_leaves_the_buffer_being_made_and_makes_no_more(monkeypatch):
