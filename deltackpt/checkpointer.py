@@ -239,13 +239,13 @@ class Checkpointer:
                 some rows of one tensor; see :func:`deltackpt.restore.load.read_step`.
 
         Raises:
-            StepNotFoundError: ``step`` is not committed.
+            StepNotFoundError: ``step`` is not committed (or was garbage-collected meanwhile).
             KeyMismatchError, StateError: a key selects nothing; a bad row, or ``rows`` alone.
             BrokenChainError, IntegrityError, MissingChunkError: the store is damaged.
         """
         self.wait()
-        return read_step(self.store.storage, self.store.chain(self._resolve(step)), self._pool,
-                         self._executor, row_shard=row_shard, keys=keys, key=key, rows=rows)
+        return read_step(self.store, self._resolve(step), self._pool, self._executor,
+                         row_shard=row_shard, keys=keys, key=key, rows=rows)
 
     def deltas(self, since: int | None = None) -> Iterator[StepDelta]:
         """The delta stream after step ``since`` (None: from the first); see :mod:`deltackpt.stream`.

@@ -10,6 +10,7 @@ a committed step refers to, and commits by creating its record only if absent. R
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import Callable
 from typing import Protocol, TypeVar
@@ -17,6 +18,7 @@ from typing import Protocol, TypeVar
 from .errors import (
     BrokenChainError,
     ManifestError,
+    MissingChunkError,
     StepExistsError,
     StepNotFoundError,
     StoreError,
@@ -28,6 +30,9 @@ from .format.record_checks import parse_manifest, parse_summary
 from .format.record_io import checksum, encode_record, table_key
 from .format.zarr_meta import group_doc
 from .storage import Storage
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Store:
@@ -191,6 +196,30 @@ class Store:
             BrokenChainError: a parent is missing, corrupt or of another lineage.
         """
         return _chain(step, self.manifest, self.compacted)
+
+    def read_chain(self, chain: list[Manifest], read: Callable[[list[Manifest]], T]) -> T:
+        """``read(chain)``; if that finds a part table or a chunk gone and the chain of its step
+        now resolves to other records, ``read`` of that chain instead, once.
+
+        Between resolving a chain and reading it, a compaction may commit a base on the way and
+        GC delete the folders that base replaced: GC deletes a folder once nothing refers to it
+        and its files are older than the grace period, as a chain's earlier saves long are (the
+        grace period keeps saves in flight, not reads). A chain that resolves the same again is
+        damaged, and its error is raised.
+
+        Raises:
+            StepNotFoundError: the step was garbage-collected meanwhile (with the read's error
+                as its context).
+        """
+        try:
+            return read(chain)
+        except (ManifestError, MissingChunkError):
+            again = self.chain(chain[-1].step)
+            if [m.attempt for m in again] == [m.attempt for m in chain]:
+                raise
+            log.info("step %d: its chain was compacted and collected while it was read; reading "
+                     "it again from step %d", chain[-1].step, again[0].step)
+            return read(again)
 
     def summary_chain(self, step: int) -> list[StepSummary]:
         """:meth:`chain` of the records' own fields alone (see :meth:`summary`)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Executor
+from functools import partial
 from typing import Any
 
 import torch
@@ -18,14 +19,16 @@ from ..io.reader import ChainReader
 from ..io.staging import StagingPool
 from ..sharding import Box, Shard, row_block
 from ..storage import Storage
+from ..store import Store
 
 
 @paused()  # per-tensor objects, no cycles: see restore
-def read_step(storage: Storage, chain: list[Manifest], pool: StagingPool, executor: Executor, *,
+def read_step(store: Store, step: int, pool: StagingPool, executor: Executor, *,
               row_shard: tuple[int, int] | None = None, keys: Sequence[str] | None = None,
               key: str | None = None, rows: torch.Tensor | Sequence[int] | None = None) -> Any:
-    """The state of the last step of ``chain``, every tensor on the CPU (see
-    :meth:`deltackpt.Checkpointer.load`).
+    """The state of ``step``, every tensor on the CPU (see :meth:`deltackpt.Checkpointer.load`),
+    read from its chain; from the chain resolved again where a compaction and GC replace it
+    meanwhile (see :meth:`~deltackpt.store.Store.read_chain`).
 
     Args:
         row_shard: ``(rank, world_size)`` to read only that rank's rows of a row-wise sharding
@@ -37,6 +40,14 @@ def read_step(storage: Storage, chain: list[Manifest], pool: StagingPool, execut
         rows: row ids (any order, repeats allowed); the result is then a tensor of
             ``len(rows)`` rows, read from the chunks that hold them alone.
     """
+    return store.read_chain(store.chain(step), partial(_read_from, store.storage, pool=pool, executor=executor,
+                                                       row_shard=row_shard, keys=keys, key=key, rows=rows))
+
+
+def _read_from(storage: Storage, chain: list[Manifest], *, pool: StagingPool, executor: Executor,
+                row_shard: tuple[int, int] | None, keys: Sequence[str] | None, key: str | None,
+                rows: torch.Tensor | Sequence[int] | None) -> Any:
+    """:func:`read_step` of the last step of ``chain``."""
     if key is not None or rows is not None:
         return read_rows(storage, chain, pool, executor, key, rows)
     m = chain[-1]

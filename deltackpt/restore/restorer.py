@@ -28,7 +28,9 @@ def restore(state: Mapping[str, Any], step_of: Callable[[], int], *, store: Stor
             pool: StagingPool, executor: Executor, tracker: ChangeTracker) -> list[Manifest]:
     """Fills ``state`` in place from the chain of the step ``step_of`` returns (called on the
     coordinator), then resets ``tracker`` to the restored tensors, with the row hashes the reads
-    took on the way (:mod:`deltackpt.io.row_hashes`). Returns the chain.
+    took on the way (:mod:`deltackpt.io.row_hashes`). Returns the chain this rank read: the
+    step's chain resolved again where a compaction and GC replaced it meanwhile (see
+    :meth:`Store.read_chain`).
 
     Raises:
         KeyMismatchError, DtypeMismatchError, ShapeMismatchError: ``state`` does not match what
@@ -53,11 +55,17 @@ def restore(state: Mapping[str, Any], step_of: Callable[[], int], *, store: Stor
     if set().union(*covered) != set(m.tensors):
         raise KeyMismatchError(sorted(set(m.tensors) - set().union(*covered)), [])
 
-    def read() -> None:
+    def read(through: list[Manifest]) -> list[Manifest]:
+        """Fills the state from ``through``: ``chain``, or the chain of its step resolved again
+        (see :meth:`Store.read_chain`), whose last record may lay the tensors out otherwise."""
+        last = through[-1]
+        planned = plan if last is m else plan_restore(state, last, partial=coll.size > 1)
         live = {k: s.local for k, s in statetree.flatten(state).tensors.items()}
-        hashes = fill(plan, m, ChainReader(store.storage, chain, pool, executor), tracker.row_hashed(live))
+        hashes = fill(planned, last, ChainReader(store.storage, through, pool, executor), tracker.row_hashed(live))
         # Flattened again: loading an optimizer's state replaces its tensors.
         tracker.reset({k: s.local.contiguous() for k, s in statetree.flatten(state).tensors.items()}, hashes)
+        return through
 
-    coll.all("restore_read", read)
-    return chain
+    read_from: list[list[Manifest]] = []  # this rank's
+    coll.all("restore_read", lambda: read_from.append(store.read_chain(chain, read)))
+    return read_from[0]

@@ -6,14 +6,15 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
+import time
 
 import pytest
 import torch
 
 import faults
-from deltackpt import Checkpointer, IntegrityError, LocalStorage
+from deltackpt import Checkpointer, IntegrityError, LocalStorage, MissingChunkError
 from deltackpt.ops import lease
-from deltackpt.ops.gc import Retention, holder_chain
+from deltackpt.ops.gc import Retention, collect, holder_chain
 from deltackpt.storage import FaultInjection
 from dist_harness import by_file, call, check_ok, run_ranks
 from helpers import assert_same_state
@@ -82,6 +83,65 @@ def test_a_job_resumed_from_a_compacted_step_builds_on_its_new_base(tmp_path):
     with Checkpointer(path, create=False) as ckpt:
         assert [m.step for m in ckpt.store.chain(8)] == [7, 8]
     check_all(path, [6, 7, 8])
+
+
+def maintenance_after_resolving(monkeypatch, ckpt: Checkpointer, path, upto: int) -> list:
+    """Makes ``ckpt``'s next chain resolution be followed, before its reads, by another process's
+    maintenance two hours after the saves: compact ``upto``, GC keeping only the newest step
+    under the default grace period. Returns the GC reports (one, once it ran)."""
+    resolve, reports = ckpt.store.chain, []
+
+    def then_maintenance(step: int):
+        found = resolve(step)
+        if not reports:
+            with Checkpointer(path, create=False) as other:
+                assert other.compact(upto).done
+                reports.append(collect(other.store, Retention(keep_last=1), now=time.time() + 7200))
+        return found
+
+    monkeypatch.setattr(ckpt.store, "chain", then_maintenance)
+    return reports
+
+
+def test_a_load_whose_chain_is_compacted_and_collected_meanwhile_reads_the_new_base(tmp_path, monkeypatch):
+    path = tmp_path / "store"
+    history(path, range(1, 7))
+    with Checkpointer(path, create=False) as ckpt:
+        reports = maintenance_after_resolving(monkeypatch, ckpt, path, 6)
+        assert_same_state(ckpt.load(6), faults.state_at(6))
+        assert reports[0].dropped_steps == [1, 2, 3, 4, 5]
+        assert len(reports[0].deleted) == 5  # the folders of the chain resolved first
+        assert [m.compacts is not None for m in ckpt.store.chain(6)] == [True]
+
+
+def test_a_restore_whose_chain_is_compacted_and_collected_meanwhile_reads_the_new_base(tmp_path, monkeypatch):
+    """The job goes on from the new base: its next delta names it as its parent."""
+    path = tmp_path / "store"
+    history(path, range(1, 7))
+    with Checkpointer(path, create=False, base_every=1000, chunk_bytes=1024, memory_budget=8192) as ckpt:
+        reports = maintenance_after_resolving(monkeypatch, ckpt, path, 6)
+        state = faults.state_at(1)
+        assert ckpt.restore(state, 6) == 6
+        assert len(reports[0].deleted) == 5
+        assert_same_state(state, faults.state_at(6))
+        assert ckpt.save(7, faults.state_at(7)).kind == "delta"
+        monkeypatch.undo()
+        assert ckpt.store.manifest(7).parent_attempt == ckpt.store.chain(6)[0].attempt
+    check_all(path, [6, 7])
+
+
+def test_a_damaged_chain_is_read_once_and_its_error_raised(tmp_path, monkeypatch):
+    """A chunk gone with no compaction: the chain resolves the same again, nothing is retried."""
+    path = tmp_path / "store"
+    history(path, range(1, 4))
+    with Checkpointer(path, create=False) as ckpt:
+        first = ckpt.store.manifest(1).attempt
+        shutil.rmtree(path / "steps" / first / "table")
+        resolve, resolved = ckpt.store.chain, []
+        monkeypatch.setattr(ckpt.store, "chain", lambda step: resolved.append(step) or resolve(step))
+        with pytest.raises(MissingChunkError):
+            ckpt.load(3)
+        assert resolved == [3, 3]  # resolved again, found the same, and raised
 
 
 def test_compaction_of_a_damaged_chain_fails_and_commits_nothing(tmp_path):
