@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import StoreError
+from ..errors import SettingError, StoreError
 
 MiB = 1 << 20
 _STRINGS = ("endpoint_url", "region", "access_key_id", "secret_access_key", "session_token")
@@ -70,15 +70,15 @@ class S3Config:
 
     def __post_init__(self) -> None:
         if self.retry_timeout <= 0:
-            raise StoreError(None, f"retry_timeout must be > 0 seconds, got {self.retry_timeout!r}")
+            raise SettingError(f"retry_timeout must be > 0 seconds, got {self.retry_timeout!r}")
         if self.part_bytes < 5 * MiB:
-            raise StoreError(None, f"part_bytes must be at least 5 MiB (S3's minimum part), got "
-                                   f"{self.part_bytes!r}")
+            raise SettingError(f"part_bytes must be at least 5 MiB (S3's minimum part), got "
+                               f"{self.part_bytes!r}")
         if self.multipart_bytes < self.part_bytes:
-            raise StoreError(None, f"multipart_bytes ({self.multipart_bytes}) must be at least "
-                                   f"part_bytes ({self.part_bytes})")
+            raise SettingError(f"multipart_bytes ({self.multipart_bytes}) must be at least "
+                               f"part_bytes ({self.part_bytes})")
         if self.part_concurrency < 1:
-            raise StoreError(None, f"part_concurrency must be >= 1, got {self.part_concurrency!r}")
+            raise SettingError(f"part_concurrency must be >= 1, got {self.part_concurrency!r}")
 
     @property
     def url(self) -> str:
@@ -96,17 +96,19 @@ class S3Config:
         environment ``env`` (default ``os.environ``) and the AWS files.
 
         Raises:
-            StoreError: the URL has no bucket, or an option is unknown or of the wrong type.
+            SettingError: the URL has no bucket, or an option is unknown, of the wrong type or out
+                of range.
+            StoreError: an AWS file cannot be parsed.
         """
         env = os.environ if env is None else env
         rest = url.removeprefix("s3://")
         bucket, _, prefix = rest.partition("/")
         if not bucket or rest == url:
-            raise StoreError(None, f"an S3 URL is s3://BUCKET[/PREFIX], got {url!r}")
+            raise SettingError(f"an S3 URL is s3://BUCKET[/PREFIX], got {url!r}")
         unknown = sorted(set(options) - set(_STRINGS) - set(_TUNING))
         if unknown:
-            raise StoreError(None, f"unknown S3 storage_options {unknown}; known: "
-                                   f"{sorted(_STRINGS + _TUNING)}")
+            raise SettingError(f"unknown S3 storage_options {unknown}; known: "
+                               f"{sorted(_STRINGS + _TUNING)}")
         profile = env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE") or "default"
         files = _aws_files(env, profile)
         got: dict[str, Any] = {}
@@ -127,7 +129,7 @@ class S3Config:
             if source.get(key):
                 got[key] = _string(key, source[key])
         if got.get("access_key_id") and not got.get("secret_access_key"):
-            raise StoreError(None, f"S3 access key id {got['access_key_id']!r} has no secret access key")
+            raise SettingError(f"S3 access key id {got['access_key_id']!r} has no secret access key")
         for key in _TUNING:
             if key in options:
                 got[key] = _tuning(key, options[key])
@@ -136,7 +138,7 @@ class S3Config:
 
 def _string(key: str, value: Any) -> str:
     if not isinstance(value, str):
-        raise StoreError(None, f"S3 storage option {key} must be a string, got {value!r}")
+        raise SettingError(f"S3 storage option {key} must be a string, got {value!r}")
     return value
 
 
@@ -157,7 +159,7 @@ def _tuning(key: str, value: Any) -> Any:
             raise ValueError(value)
         return int(value)
     except (TypeError, ValueError):
-        raise StoreError(None, f"S3 storage option {key} has a bad value {value!r}") from None
+        raise SettingError(f"S3 storage option {key} has a bad value {value!r}") from None
 
 
 def _aws_files(env: Mapping[str, str], profile: str) -> dict[str, str]:

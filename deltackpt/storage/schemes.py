@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import StoreError
+from ..errors import SettingError
 from .base import Storage
 from .local import LocalStorage
 
@@ -21,7 +21,7 @@ Opener = Callable[[str, Mapping[str, Any]], Storage]
 
 def _open_local(url: str, options: Mapping[str, Any]) -> Storage:
     if options:
-        raise StoreError(None, f"a local store takes no storage_options, got {sorted(options)}")
+        raise SettingError(f"a local store takes no storage_options, got {sorted(options)}")
     return LocalStorage(url.removeprefix("file://"))
 
 
@@ -44,7 +44,8 @@ def open_storage(url: str | os.PathLike[str] | Storage,
         storage_options: settings for the backend (credentials, endpoints, ...).
 
     Raises:
-        StoreError: no backend handles the URL's scheme, or it refuses the options.
+        SettingError: no backend handles the URL's scheme, or it refuses the options.
+        StoreError: the backend cannot open the store.
 
     Example:
         >>> import tempfile
@@ -53,15 +54,15 @@ def open_storage(url: str | os.PathLike[str] | Storage,
     """
     if not isinstance(url, (str, os.PathLike)):
         if storage_options:
-            raise StoreError(None, f"storage_options {sorted(storage_options)} given with a "
-                                   f"storage object ({url.url}); pass them to its constructor")
+            raise SettingError(f"storage_options {sorted(storage_options)} given with a "
+                               f"storage object ({url.url}); pass them to its constructor")
         return url
     path = os.fspath(url)
     scheme = path.split("://", 1)[0] if "://" in path else "file"
     opener = OPENERS.get(scheme)
     if opener is None:
-        raise StoreError(None, f"no storage backend for scheme {scheme!r} in {path!r}; "
-                               f"known: {sorted(OPENERS)}")
+        raise SettingError(f"no storage backend for scheme {scheme!r} in {path!r}; "
+                           f"known: {sorted(OPENERS)}")
     return opener(path, storage_options or {})
 
 
@@ -69,7 +70,7 @@ def storage_options(items: list[str]) -> dict[str, str]:
     """``storage_options`` from ``KEY=VALUE`` strings (a command line's ``--storage-option``).
 
     Raises:
-        StoreError: an item is not ``KEY=VALUE``.
+        SettingError: an item is not ``KEY=VALUE``.
 
     Example:
         >>> storage_options(["region=eu-west-1", "endpoint_url=http://127.0.0.1:8333"])
@@ -79,6 +80,6 @@ def storage_options(items: list[str]) -> dict[str, str]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise StoreError(None, f"--storage-option takes KEY=VALUE, got {item!r}")
+            raise SettingError(f"--storage-option takes KEY=VALUE, got {item!r}")
         options[key] = value
     return options

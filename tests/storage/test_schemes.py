@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from helpers import assert_runs_fresh
 
-from deltackpt import StoreError
+from deltackpt import SettingError
 from deltackpt.storage import LocalStorage, MemoryStorage, open_storage
 
 
@@ -18,14 +18,14 @@ def test_plain_paths_and_file_urls_open_local_storage(tmp_path):
 def test_a_storage_object_is_returned_as_it_is():
     storage = MemoryStorage()
     assert open_storage(storage) is storage
-    with pytest.raises(StoreError, match="'region'"):
+    with pytest.raises(SettingError, match="'region'"):
         open_storage(storage, {"region": "x"})
 
 
 def test_unknown_schemes_and_options_are_refused(tmp_path):
-    with pytest.raises(StoreError, match="no storage backend for scheme 'gopher'.*known: \\['file'"):
+    with pytest.raises(SettingError, match="no storage backend for scheme 'gopher'.*known: \\['file'"):
         open_storage("gopher://host/store")
-    with pytest.raises(StoreError, match="takes no storage_options, got \\['anon'\\]"):
+    with pytest.raises(SettingError, match="takes no storage_options, got \\['anon'\\]"):
         open_storage(str(tmp_path), {"anon": True})
 
 

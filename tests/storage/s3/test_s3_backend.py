@@ -12,8 +12,8 @@ import pytest
 from s3_proxy import Fault, S3Proxy
 from s3_server import BUCKET
 
-from deltackpt import StoreError
-from deltackpt.storage import open_storage
+from deltackpt import SettingError, StoreError
+from deltackpt.storage import open_storage, storage_options
 from deltackpt.storage.s3 import S3Storage
 from deltackpt.storage.s3_config import S3Config
 
@@ -60,16 +60,19 @@ def test_options_win_over_the_environment_which_wins_over_the_aws_files(tmp_path
 
 
 def test_bad_urls_and_options_are_one_line_errors():
-    with pytest.raises(StoreError, match=r"s3://BUCKET\[/PREFIX\], got 's3:///x'"):
+    """Settings: SettingError, as for the library's other settings (still a ValueError)."""
+    with pytest.raises(SettingError, match=r"s3://BUCKET\[/PREFIX\], got 's3:///x'"):
         open_storage("s3:///x", {})
-    with pytest.raises(StoreError, match=r"unknown S3 storage_options \['anon'\]"):
+    with pytest.raises(SettingError, match=r"unknown S3 storage_options \['anon'\]"):
         open_storage("s3://bkt/x", {"anon": True})
-    with pytest.raises(StoreError, match="part_bytes must be at least 5 MiB"):
+    with pytest.raises(SettingError, match="part_bytes must be at least 5 MiB"):
         S3Config.resolve("s3://bkt", {"part_bytes": 1024}, {})
-    with pytest.raises(StoreError, match="retry_timeout has a bad value 'soon'"):
+    with pytest.raises(SettingError, match="retry_timeout has a bad value 'soon'"):
         S3Config.resolve("s3://bkt", {"retry_timeout": "soon"}, {})
-    with pytest.raises(StoreError, match="'KEY' has no secret access key"):
+    with pytest.raises(SettingError, match="'KEY' has no secret access key"):
         S3Config.resolve("s3://bkt", {"access_key_id": "KEY"}, {})
+    with pytest.raises(SettingError, match="--storage-option takes KEY=VALUE, got 'region'"):
+        storage_options(["region"])
 
 
 # -- against the servers --------------------------------------------------------------------------
