@@ -266,7 +266,7 @@ KEY: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("bench_small_tensors", ("base save", "one-row delta", "next delta", "load")),
     ("bench_quant", ("incremental only, 8-bit", "8-bit encode")),
     ("bench_export", ("export",)),
-    ("bench_control_plane", ("record of save",)),
+    ("bench_control_plane", ("root record of save",)),
     ("bench_s3", ("deltackpt s3",)),
     ("bench_torchrec", ("delta save", "restore on plan B")),
 )

@@ -125,9 +125,25 @@ def test_unknown_bench_names_are_refused(capsys):
     assert "bench_nothing" in capsys.readouterr().err
 
 
+def unmatched_key_prefixes(results: Path) -> list[tuple[str, str]]:
+    """The key-figure prefixes that name no row of their bench's last run in ``results``."""
+    out = []
+    for name, prefixes in bench.KEY:
+        path = results / f"{name}.json"
+        runs = [r for r in json.loads(path.read_text())["runs"] if r["status"] == "ok"] if path.exists() else []
+        if runs:
+            out += [(name, p) for p in prefixes if not any(r["name"].startswith(p) for r in runs[-1]["rows"])]
+    return out
+
+
+def test_every_key_figure_names_a_row_of_the_stored_results():
+    assert unmatched_key_prefixes(ROOT / "bench" / "results") == []
+
+
 @pytest.mark.slow
 def test_every_bench_runs_at_the_tiny_size(tmp_path):
     _run(tmp_path)
     for b in bench.BENCHES:
         doc = json.loads((tmp_path / "results" / f"{b.name}.json").read_text())
         assert doc["status"] in ("ok", "skipped"), doc
+    assert unmatched_key_prefixes(tmp_path / "results") == []
