@@ -115,7 +115,8 @@ class Saver:
                           quantize=self._quantize.choices(plan.tensors))
 
         def scan_here() -> tuple[ScanSummary, Scanned]:
-            self._scanned = scan(self._tracker, items, self._quantize, self._scanned)
+            held = self._local.flat.tensors if self._local is not None else None
+            self._scanned = scan(self._tracker, items, self._quantize, self._scanned, held)
             return ScanSummary.of(self._scanned.scans), self._scanned
 
         try:

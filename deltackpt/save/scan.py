@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -95,15 +95,16 @@ class Scanned:
 
 
 def scan(tracker: ChangeTracker, items: tuple[WriteItem, ...], quantize: QuantizePlan | None = None,
-         last: Scanned | None = None) -> Scanned:
+         last: Scanned | None = None, held: Container[str] | None = None) -> Scanned:
     """The change set of every item's tensor, and its summary for the coordinator (sized as
     quantized for the tensors a ``quantize`` rule names). ``last``: the rank's last scan; of the
     same ``items`` (the same tuple), an item whose change set is the same object as then (an
     unchanged tensor's, see :meth:`~deltackpt.tracking.references.Reference.unchanged`) keeps
-    its part scan: thousands of unchanged tensors cost no object each."""
+    its part scan: thousands of unchanged tensors cost no object each. ``held``: the keys of
+    every tensor the rank holds (see :meth:`~deltackpt.tracking.changes.ChangeTracker.scan`)."""
     again = last is not None and last.items is items
     tensors = last.tensors if again else {it.key: it.tensor for it in items}  # type: ignore[union-attr]
-    changes = tracker.scan(tensors)
+    changes = tracker.scan(tensors, held)
     found = list(map(changes.__getitem__, map(_KEY, items)))
     rules = {it.key: c.rule for it in items
              if (c := quantize.choose(it.key, restores=quantize.restores)) is not None

@@ -37,7 +37,7 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 
 import numpy as np
 import torch
@@ -111,17 +111,17 @@ class ChangeTracker:
 
     # -- the three entry points -----------------------------------------------------------------
 
-    def scan(self, tensors: dict[str, torch.Tensor]) -> dict[str, TensorChange]:
+    def scan(self, tensors: dict[str, torch.Tensor], held: Container[str] | None = None) -> dict[str, TensorChange]:
         """The change set of every tensor since the last commit: from marks for tracked tables
-        whose marks are complete, from hashes for the rest. A tensor given again as the same
-        object must have kept its dtype, shape and strides (the saver gives its own views of the
-        state, which nothing reshapes): how the last scan split the tensors is kept for it."""
+        whose marks are complete, from hashes for the rest (``held``: see :meth:`RowTracker.resolve`).
+        A tensor given again as the same object must have kept its dtype, shape and strides (the
+        saver gives its own views, which nothing reshapes): how the last scan split them is kept."""
         out: dict[str, TensorChange] = {}
         self._scanned = []
         self._audited = set()
         self._scanned_joined = None
         self.rows.poll()
-        groups = self.rows.resolve(tensors)
+        groups = self.rows.resolve(tensors, held)
         self._aligned = self.rows.aligned(tensors, groups)
         for group in groups:
             out.update(self._scan_group(group, tensors))

@@ -35,7 +35,7 @@ Example:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -245,8 +245,12 @@ class RowTracker:
         """Every tracked table, once each."""
         return list({id(t): t for t in self._tables.values()}.values())
 
-    def resolve(self, tensors: Mapping[str, torch.Tensor]) -> list[TrackedGroup]:
-        """The tracked tables in ``tensors``, each with the keys that share its marks.
+    def resolve(self, tensors: Mapping[str, torch.Tensor], held: Container[str] | None = None
+                ) -> list[TrackedGroup]:
+        """The tracked tables in ``tensors``, each with the keys that share its marks. A tracked
+        key missing from ``held`` (the keys of every tensor this rank holds; default those of
+        ``tensors``) is warned of once: a rank that holds a replica another rank writes has
+        nothing wrong.
 
         Raises:
             StateError: a tracked key holds a 0-d tensor.
@@ -256,7 +260,7 @@ class RowTracker:
         for t in self.tables():
             present = [k for k in t.keys if k in tensors]
             for k in t.keys:
-                if k not in tensors and k not in self._warned:
+                if k not in (tensors if held is None else held) and k not in self._warned:
                     self._warned.add(k)
                     log.warning("tracked table %r is not in the saved state, so its marks go "
                                 "unused; check the prefix given to track()", k)

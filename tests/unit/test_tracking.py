@@ -148,6 +148,20 @@ def test_marks_give_the_hashes_change_sets(kind, caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+def test_a_tracked_table_missing_from_the_state_is_warned_of_once_unless_the_rank_holds_it(caplog):
+    emb = nn.Embedding(50, 4)
+    tracker = ChangeTracker(CHUNK)
+    tracker.rows.track(emb, prefix="model")
+    other = {"model/other": torch.zeros(3)}
+    tracker.scan(other, held={"model/other", "model/weight"})  # a replica another rank writes
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    tracker.scan(other)
+    tracker.scan(other)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warned == ["tracked table 'model/weight' is not in the saved state, so its marks go "
+                      "unused; check the prefix given to track()"]
+
+
 def test_canary_notices_weight_decay(caplog):
     gen = torch.Generator().manual_seed(2)
     torch.manual_seed(2)
