@@ -4,9 +4,15 @@ call, with nothing committed and earlier steps intact."""
 
 from __future__ import annotations
 
+import copy
 import datetime
+import errno
+import logging
+import threading
 
+import pytest
 import torch
+from torch import nn
 
 from deltackpt import Checkpointer, Shard
 from dist_harness import check_ok, run_ranks
@@ -54,6 +60,64 @@ def test_changes_after_the_call_do_not_reach_the_step_on_two_ranks(tmp_path):
         assert all(b > 0 for b in r["blocked"])
 
 
+def tracked_job(rank: int, world: int, root: str) -> dict:
+    # Both ranks hold the same model and train it alike (replicas: the plan writes each once),
+    # its table tracked by marks, its optimizer's state saved beside it.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.EmbeddingBag(10 * ROWS, 4, mode="sum", sparse=True), nn.Linear(4, 1))
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    live = {"model": model, "optim": opt}
+
+    def train(ids: list[int]) -> None:
+        opt.zero_grad()
+        model(torch.tensor([ids])).sum().backward()
+        opt.step()
+
+    def snapshot() -> dict:
+        return {k: copy.deepcopy(v.state_dict()) for k, v in live.items()}
+
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("deltackpt").addHandler(handler)
+    ckpt = Checkpointer(root, base_every=3, chunk_bytes=64, memory_budget=1024)
+    ckpt.track(model, prefix="model", optimizer=opt)
+    saved = {}
+    for step in range(1, 6):
+        train([step, 3 * step, 20 + step])
+        ckpt.save(step, live, blocking=False)
+        saved[step] = snapshot()
+        train(list(range(0, 10 * ROWS, 37)))  # the ranks train on at once
+    kinds = [ckpt.store.manifest(s).kind for s in range(1, 6)] if ckpt.wait() else []
+    same = []
+    for step in range(1, 6):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(-1.0)
+        ckpt.restore(live, step)
+        same.append(all(torch.equal(a, b) for a, b in zip(flat(snapshot()), flat(saved[step]))))
+    ckpt.close()
+    return {"same": same, "kinds": kinds, "warnings": warnings}
+
+
+def flat(tree) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for k in sorted(tree, key=str) for t in flat(tree[k])]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in flat(v)]
+    return []
+
+
+def test_tracked_rows_and_optimizer_state_changed_after_the_call_do_not_reach_the_step_on_two_ranks(tmp_path):
+    for r in check_ok(run_ranks(tracked_job, 2, str(tmp_path), str(tmp_path / "store"))):
+        assert r["same"] == [True] * 5, r
+        assert r["kinds"] == ["base", "delta", "delta", "base", "delta"], r
+        # The rank that holds a replica the other writes was told to check its prefix before.
+        assert r["warnings"] == [], r
+
+
 def over_budget_job(rank: int, world: int, root: str) -> dict:
     # Each rank's 32 rows are 8 chunks through 4 staging buffers: the call writes 4 of them to
     # make room and returns with the other 4 staged, their writes held until the table changed.
@@ -79,37 +143,67 @@ def test_a_base_over_the_budget_stages_in_pieces_on_two_ranks(tmp_path):
         assert r == {"passed": 4, "done": False, "kind": "base", "written": 8, "loaded": True}, r
 
 
+def save_threads() -> set[str]:
+    """Names of the live threads a checkpointer starts (not the process's warm-up thread)."""
+    return {t.name for t in threading.enumerate()
+            if t.name.startswith(("deltackpt-io", "deltackpt-pack", "deltackpt-save", "deltackpt-lease"))}
+
+
 def fault_job(rank: int, world: int, root: str, action: str) -> dict:
     storage = FaultStorage(root, phase="none", rank=1, action=action)
     ckpt = Checkpointer(storage, timeout=datetime.timedelta(seconds=6), chunk_bytes=64,
                         memory_budget=1024)
     ckpt.save(1, state(rank, world, 1))
-    storage.fault = ("fsync", 1, action, 1, 30.0)  # in the background write of step 2
+    # In the background write of step 2, on rank 1: its part table's fsync fails (an I/O
+    # error), its data write finds the disk full, or the rank dies.
+    storage.fault = ("write_chunk", 1, "raise", 1, 0) if action == "full" else ("fsync", 1, action, 1, 30.0)
+    if action == "full":
+        storage.on_point = full_disk(storage)
     live = state(rank, world, 2)
     ckpt.save(2, live, blocking=False)
     live["table"].local.fill_(-1.0)
     outcome: dict = {}
     try:
-        ckpt.wait()
+        if action == "sigkill":
+            ckpt.wait()
+        else:  # the next save raises the failure before saving anything
+            ckpt.save(3, state(rank, world, 3))
         outcome["raised"] = None
     except Exception as e:  # noqa: BLE001 - the test inspects it
         outcome["raised"] = type(e).__name__
     outcome["steps"] = ckpt.steps()
     storage.fault = ("none", -1, "raise", 1, 0)
-    if action == "raise":
-        outcome["retry"] = ckpt.save(3, state(rank, world, 3)).kind
+    if action != "sigkill":
+        # Step 2's changes were never committed: the next save carries them.
+        info = ckpt.save(3, state(rank, world, 2))
+        outcome["retry"] = info.kind, info.rows_changed > 0
         got = state(rank, world, 0)
         ckpt.restore(got, 3)
-        outcome["restored"] = torch.equal(got["table"].local, state(rank, world, 3)["table"].local)
+        outcome["restored"] = torch.equal(got["table"].local, state(rank, world, 2)["table"].local)
     ckpt.close()
+    outcome["threads"] = sorted(save_threads())
     return outcome
 
 
-def test_a_rank_failing_in_the_background_fails_the_save_on_every_rank(tmp_path):
-    results = check_ok(run_ranks(fault_job, 2, str(tmp_path), str(tmp_path / "store"), "raise"))
+def full_disk(storage: FaultStorage):
+    """The hook of ``storage`` with its ``raise`` at a data write turned into a full disk."""
+    hook = storage.on_point
+
+    def at_point(phase: str, key: str) -> None:
+        try:
+            hook(phase, key)
+        except OSError as e:
+            raise OSError(errno.ENOSPC, "injected full disk") from e
+
+    return at_point
+
+
+@pytest.mark.parametrize("action", ["raise", "full"])
+def test_a_rank_failing_in_the_background_fails_the_save_on_every_rank(tmp_path, action):
+    results = check_ok(run_ranks(fault_job, 2, str(tmp_path), str(tmp_path / "store"), action))
     for r in results:
         assert r["raised"] == "CheckpointAborted" and r["steps"] == [1], r
-        assert r["retry"] == "delta" and r["restored"], r
+        assert r["retry"] == ("delta", True) and r["restored"] and r["threads"] == [], r
 
 
 def test_a_rank_killed_in_the_background_fails_the_save_on_the_others(tmp_path):
@@ -117,6 +211,6 @@ def test_a_rank_killed_in_the_background_fails_the_save_on_the_others(tmp_path):
     assert results[1] is None  # killed
     r0 = results[0]
     assert r0 is not None and r0[0] == "ok", r0
-    assert r0[1]["raised"] == "CheckpointAborted" and r0[1]["steps"] == [1]
+    assert r0[1]["raised"] == "CheckpointAborted" and r0[1]["steps"] == [1] and r0[1]["threads"] == []
     with Checkpointer(tmp_path / "store", create=False) as ckpt:
         assert ckpt.steps() == [1] and ckpt.verify().ok

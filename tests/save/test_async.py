@@ -86,6 +86,19 @@ def test_async_and_sync_runs_store_the_same_bits(tmp_path):
         assert a.steps() == b.steps() == list(range(1, 10))
         for s in a.steps():
             assert_same_state(a.load(s), b.load(s))
+            restored = []
+            for ckpt in (a, b):
+                model, opt = model_and_optimizer(seed=1)
+                step(model, opt, [0])  # the optimizer holds state to load into
+                ckpt.restore({"model": model, "optim": opt}, s)
+                restored.append(snapshot({"model": model, "optim": opt}))
+            assert_same_state(*restored)
+
+
+def save_threads() -> set[threading.Thread]:
+    """The live threads a checkpointer starts (not the process's one kernel and buffer warm-up)."""
+    return {t for t in threading.enumerate()
+            if t.name.startswith(("deltackpt-io", "deltackpt-pack", "deltackpt-save", "deltackpt-lease"))}
 
 
 class GatedStorage(LocalStorage):
@@ -145,6 +158,41 @@ def test_a_failed_background_save_raises_at_the_next_call_and_loses_nothing(tmp_
     with Checkpointer(tmp_path, create=False) as ckpt:
         assert ckpt.steps() == [1, 3]
         assert_same_state(ckpt.load(3), want)
+
+
+def test_restore_waits_for_the_save_in_flight(tmp_path):
+    storage = GatedStorage(tmp_path)
+    model, opt = model_and_optimizer()
+    state = {"model": model, "optim": opt}
+    with Checkpointer(storage, chunk_bytes=1024, memory_budget=256 * 1024) as ckpt:  # staged whole
+        ckpt.track(model, prefix="model", optimizer=opt)
+        step(model, opt, [1, 2])
+        storage.gate.clear()
+        ckpt.save(1, state, blocking=False)
+        want = snapshot(state)
+        step(model, opt, [3])  # after the call: not in step 1
+        threading.Timer(0.2, storage.gate.set).start()
+        assert ckpt.restore(state, 1) == 1  # step 1 exists only once the save in flight committed
+        assert_same_state(snapshot(state), want)
+
+
+def test_close_raises_a_failed_background_save_and_leaves_no_thread(tmp_path):
+    storage = GatedStorage(tmp_path)
+    model, opt = model_and_optimizer()
+    state = {"model": model, "optim": opt}
+    before = save_threads()
+    ckpt = Checkpointer(storage, chunk_bytes=1024, memory_budget=8192)
+    ckpt.track(model, prefix="model", optimizer=opt)
+    step(model, opt, [1])
+    ckpt.save(1, state)
+    step(model, opt, [5])
+    storage.failing = True
+    ckpt.save(2, state, blocking=False)
+    with pytest.raises(StoreError, match="injected full disk"):
+        ckpt.close()
+    assert save_threads() <= before
+    with Checkpointer(tmp_path, create=False) as again:
+        assert again.steps() == [1] and again.verify().ok
 
 
 def test_close_finishes_the_save_in_flight(tmp_path):
