@@ -171,6 +171,7 @@ def fault_job(rank: int, world: int, root: str, action: str) -> dict:
         outcome["raised"] = None
     except Exception as e:  # noqa: BLE001 - the test inspects it
         outcome["raised"] = type(e).__name__
+        outcome["message"] = str(e)
     outcome["steps"] = ckpt.steps()
     storage.fault = ("none", -1, "raise", 1, 0)
     if action != "sigkill":
@@ -203,6 +204,7 @@ def test_a_rank_failing_in_the_background_fails_the_save_on_every_rank(tmp_path,
     results = check_ok(run_ranks(fault_job, 2, str(tmp_path), str(tmp_path / "store"), action))
     for r in results:
         assert r["raised"] == "CheckpointAborted" and r["steps"] == [1], r
+        assert f"[Errno {errno.ENOSPC if action == 'full' else errno.EIO}]" in r["message"], r
         assert r["retry"] == ("delta", True) and r["restored"] and r["threads"] == [], r
 
 
