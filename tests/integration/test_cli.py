@@ -153,6 +153,8 @@ def test_demo_small(tmp_path, capsys):
                                             "trained", "restore", "resume", "done"]
     saves = [e for e in events if e["event"] == "checkpoint"]
     assert [(e["step"], e["kind"]) for e in saves] == [(2, "base"), (4, "delta"), (6, "delta")]
+    # Saved in the background: training waited for the staging, the commit came after.
+    assert all(0 < e["blocked_seconds"] < e["seconds"] for e in saves), saves
     rows = events[0]["rows"]
     assert saves[0]["rows_changed"] == rows and 0 < saves[1]["rows_changed"] < rows / 10
     assert saves[1]["bytes_written"] * 3 < saves[1]["full_bytes"]

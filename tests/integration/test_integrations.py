@@ -52,7 +52,7 @@ class Regressor(nn.Module):
 # -- Lightning ----------------------------------------------------------------------------------
 
 
-def fit_lightning(path, max_steps, *, resume=False, seed=0, accumulate=1, kill_at=None):
+def fit_lightning(path, max_steps, *, resume=False, seed=0, accumulate=1, kill_at=None, **settings):
     pl = pytest.importorskip("lightning.pytorch")
     from deltackpt.integrations.lightning import DeltackptCallback
 
@@ -83,7 +83,7 @@ def fit_lightning(path, max_steps, *, resume=False, seed=0, accumulate=1, kill_a
     loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
     with deterministic(seed):
         module = Module()
-        callback = DeltackptCallback(path, every=4, resume=resume)
+        callback = DeltackptCallback(path, every=4, resume=resume, **settings)
         trainer = pl.Trainer(max_steps=max_steps, callbacks=[callback, Kill()],
                              accumulate_grad_batches=accumulate, accelerator="cpu", logger=False,
                              enable_checkpointing=False, enable_progress_bar=False,
@@ -114,6 +114,27 @@ def test_lightning_saves_on_schedule_and_resumes_bit_exactly(store_path):
     assert_same_state(lightning_state(module2, trainer2), want)
 
 
+@pytest.fixture
+def saves(monkeypatch) -> list[bool]:
+    """Whether each save of any Checkpointer blocked (its ``blocking`` argument)."""
+    made: list[bool] = []
+    real = Checkpointer.save
+
+    def save(self, step, state, *, blocking=True):
+        made.append(blocking)
+        return real(self, step, state, blocking=blocking)
+
+    monkeypatch.setattr(Checkpointer, "save", save)
+    return made
+
+
+@pytest.mark.parametrize("settings", [{}, {"blocking": True}], ids=["default", "blocking"])
+def test_lightning_saves_in_the_background_unless_told_to_block(store_path, saves, settings):
+    fit_lightning(store_path, 8, **settings)
+    assert saves == [settings.get("blocking", False)] * 2
+    assert committed(store_path) == [4, 8]
+
+
 def test_lightning_saves_each_global_step_once_under_accumulation(store_path, caplog):
     with caplog.at_level(logging.WARNING, logger="deltackpt.hooks"):
         fit_lightning(store_path, 4, accumulate=2)
@@ -140,7 +161,7 @@ class HFRegressor(Regressor):
         return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
 
 
-def train_hf(transformers, path, max_steps, *, resume=False, spy=None, kill_at=None):
+def train_hf(transformers, path, max_steps, *, resume=False, spy=None, kill_at=None, **settings):
     from deltackpt.integrations.huggingface import DeltackptTrainerCallback
 
     class Kill(transformers.TrainerCallback):
@@ -149,7 +170,7 @@ def train_hf(transformers, path, max_steps, *, resume=False, spy=None, kill_at=N
                 callback.hook.checkpointer.wait()
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    callback = DeltackptTrainerCallback(path, every=2, resume=resume)
+    callback = DeltackptTrainerCallback(path, every=2, resume=resume, **settings)
     args = transformers.TrainingArguments(
         output_dir=str(path) + "-hf", max_steps=max_steps, per_device_train_batch_size=4,
         learning_rate=0.01, save_strategy="no", report_to=[], logging_strategy="no",
@@ -173,6 +194,13 @@ def test_huggingface_saves_on_schedule(transformers, store_path):
     assert_same_state(saved["model"], dict(model.state_dict()))
     assert_same_state(saved["optim"]["0"]["state"],
                       copy.deepcopy(trainer.optimizer.state_dict()["state"]))
+
+
+@pytest.mark.parametrize("settings", [{}, {"blocking": True}], ids=["default", "blocking"])
+def test_huggingface_saves_in_the_background_unless_told_to_block(transformers, store_path, saves, settings):
+    train_hf(transformers, store_path, 4, **settings)
+    assert saves == [settings.get("blocking", False)] * 2
+    assert committed(store_path) == [2, 4]
 
 
 def test_huggingface_resume_restores_the_state_when_training_begins(transformers, store_path):
