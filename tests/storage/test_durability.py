@@ -62,11 +62,12 @@ def test_a_commit_flushes_its_record_and_folder_only(tmp_path, flushed):
     assert os.path.dirname(flushed[0]) == f"{root}/commits" and flushed[0].endswith(".tmp")
 
 
-def test_a_delta_save_flushes_only_its_own_files_and_folders(tmp_path, flushed):
+@pytest.mark.parametrize("kind", ["delta", "base"])
+def test_a_save_flushes_only_its_own_files_and_folders(tmp_path, flushed, kind):
     root = str(tmp_path / "store")
     table = torch.randn(1000, 16)
     state = {"table": table, "dense": torch.randn(300), "step": 1}
-    with Checkpointer(root) as ckpt:
+    with Checkpointer(root, base_every=1 if kind == "base" else 10) as ckpt:
         ckpt.save(1, state)
         # Another writer's unsynced file on the store's file system.
         with open(tmp_path / "other.bin", "wb") as f:
@@ -74,7 +75,7 @@ def test_a_delta_save_flushes_only_its_own_files_and_folders(tmp_path, flushed):
         flushed.clear()
         table[::97] += 1
         state["step"] = 2
-        assert ckpt.save(2, state).kind == "delta"
+        assert ckpt.save(2, state).kind == kind
     with open(f"{root}/commits/{2:020d}.json") as f:
         attempt = f"{root}/steps/{json.load(f)['attempt']}"
     own_files = {os.path.join(d, n) for d, _, names in os.walk(attempt) for n in names}
