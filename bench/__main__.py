@@ -255,7 +255,7 @@ KEY: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("bench_kernels", ("memcpy", "xxhash.xxh3_64", "hash_rows 512 B rows, 1 thread")),
     ("bench_save", ("disk write", "disk read", "deltackpt base save", "deltackpt 1% delta save",
                     "deltackpt restore", "1% delta bytes")),
-    ("bench_distributed", ("deltackpt base save", "deltackpt 1% delta save", "deltackpt restore")),
+    ("bench_distributed", ("deltackpt base save", "deltackpt 1% delta save", "deltackpt 1% delta bytes", "deltackpt restore")),
     ("bench_memory", ("deltackpt", "DCP load")),
     ("bench_tracking", ("marking per step",) + tuple(f"{f} delta" for f in ("0.1%", "1.0%", "5.0%", "20.0%", "50.0%"))),
     ("bench_chains", ("restore after",)),

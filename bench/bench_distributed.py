@@ -741,6 +741,10 @@ def report(args: argparse.Namespace, results: dict[int, dict[str, Any]], nbytes:
                 mine = ref == op or ref not in res["times"]
                 rows.append(figure(f"{op}, {world} ranks", res["times"][op], peer=None if mine else ref,
                                    peer_runs=None if mine else res["times"][ref]))
+        info, changed = res["info"], "changed rows x (row bytes of a table and its accumulator + 8)"
+        if info.get("deltackpt delta bytes"):  # the row-wise accumulators ride with their rows
+            rows.append(figure(f"deltackpt 1% delta bytes, {world} ranks", info["deltackpt delta bytes"], "B",
+                               peer=changed, peer_runs=info[changed]))
     write_figures(args.json, "bench_distributed", args, rows, state_bytes=nbytes)
 
 
