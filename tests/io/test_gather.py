@@ -61,7 +61,7 @@ def test_a_marked_delta_of_half_the_rows(threads):
         ckpt.mark("t", ids)
         scans = []
         scan = ckpt._tracker.scan
-        ckpt._tracker.scan = lambda ts: scans.append(ch := scan(ts)) or ch
+        ckpt._tracker.scan = lambda ts, held=None: scans.append(ch := scan(ts, held)) or ch
         info = ckpt.save(1, {"t": t})
         assert (info.kind, info.rows_changed) == ("delta", len(ids))
         assert scans[0]["t"].partial  # found from the marks; the writer hashed the rows
