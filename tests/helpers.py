@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import torch
 
@@ -39,3 +40,9 @@ def assert_runs_fresh(code: str, *argv: str) -> None:
     the end of what it wrote to stderr."""
     out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def checkpointer_threads() -> set[threading.Thread]:
+    """The live threads checkpointers start (not the process's one kernel and buffer warm-up)."""
+    return {t for t in threading.enumerate()
+            if t.name.startswith(("deltackpt-io", "deltackpt-pack", "deltackpt-save", "deltackpt-lease"))}

@@ -8,7 +8,6 @@ import copy
 import datetime
 import errno
 import logging
-import threading
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from torch import nn
 from deltackpt import Checkpointer, Shard
 from dist_harness import check_ok, run_ranks
 from faults import FaultStorage, HeldWrites
+from helpers import checkpointer_threads
 
 ROWS = 40
 
@@ -143,12 +143,6 @@ def test_a_base_over_the_budget_stages_in_pieces_on_two_ranks(tmp_path):
         assert r == {"passed": 4, "done": False, "kind": "base", "written": 8, "loaded": True}, r
 
 
-def save_threads() -> set[str]:
-    """Names of the live threads a checkpointer starts (not the process's warm-up thread)."""
-    return {t.name for t in threading.enumerate()
-            if t.name.startswith(("deltackpt-io", "deltackpt-pack", "deltackpt-save", "deltackpt-lease"))}
-
-
 def fault_job(rank: int, world: int, root: str, action: str) -> dict:
     storage = FaultStorage(root, phase="none", rank=1, action=action)
     ckpt = Checkpointer(storage, timeout=datetime.timedelta(seconds=6), chunk_bytes=64,
@@ -182,7 +176,7 @@ def fault_job(rank: int, world: int, root: str, action: str) -> dict:
         ckpt.restore(got, 3)
         outcome["restored"] = torch.equal(got["table"].local, state(rank, world, 2)["table"].local)
     ckpt.close()
-    outcome["threads"] = sorted(save_threads())
+    outcome["threads"] = sorted(t.name for t in checkpointer_threads())
     return outcome
 
 

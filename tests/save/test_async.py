@@ -17,7 +17,7 @@ from deltackpt import Checkpointer, LocalStorage, StoreError, kernels
 from deltackpt.save.pending import SaveHandle
 from deltackpt.storage import FaultInjection
 from faults import HeldWrites
-from helpers import assert_same_state
+from helpers import assert_same_state, checkpointer_threads
 
 ROWS, DIM = 500, 8
 
@@ -93,12 +93,6 @@ def test_async_and_sync_runs_store_the_same_bits(tmp_path):
                 ckpt.restore({"model": model, "optim": opt}, s)
                 restored.append(snapshot({"model": model, "optim": opt}))
             assert_same_state(*restored)
-
-
-def save_threads() -> set[threading.Thread]:
-    """The live threads a checkpointer starts (not the process's one kernel and buffer warm-up)."""
-    return {t for t in threading.enumerate()
-            if t.name.startswith(("deltackpt-io", "deltackpt-pack", "deltackpt-save", "deltackpt-lease"))}
 
 
 class GatedStorage(LocalStorage):
@@ -180,7 +174,7 @@ def test_close_raises_a_failed_background_save_and_leaves_no_thread(tmp_path):
     storage = GatedStorage(tmp_path)
     model, opt = model_and_optimizer()
     state = {"model": model, "optim": opt}
-    before = save_threads()
+    before = checkpointer_threads()
     ckpt = Checkpointer(storage, chunk_bytes=1024, memory_budget=8192)
     ckpt.track(model, prefix="model", optimizer=opt)
     step(model, opt, [1])
@@ -190,7 +184,7 @@ def test_close_raises_a_failed_background_save_and_leaves_no_thread(tmp_path):
     ckpt.save(2, state, blocking=False)
     with pytest.raises(StoreError, match="injected full disk"):
         ckpt.close()
-    assert save_threads() <= before
+    assert checkpointer_threads() <= before
     with Checkpointer(tmp_path, create=False) as again:
         assert again.steps() == [1] and again.verify().ok
 
