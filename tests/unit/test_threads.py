@@ -36,12 +36,14 @@ def cpu_ticks() -> dict[int, int]:
 
 def helpers_used(save) -> int:
     """Threads other than the calling one that ran during ``save()``, but for the process's one
-    kernel warm-up thread (with an empty kernel cache it compiles while the first save runs)."""
+    kernel warm-up thread (with an empty kernel cache it compiles while the first save runs) and
+    a background save's thread, which finishes the save as the calling thread does a blocking
+    one (the calling thread waits meanwhile)."""
     before = cpu_ticks()
     save()
     after = cpu_ticks()
     others = {threading.get_native_id()} | {
-        t.native_id for t in threading.enumerate() if t.name == "deltackpt-warm"}
+        t.native_id for t in threading.enumerate() if t.name.startswith(("deltackpt-warm", "deltackpt-save"))}
     return sum(1 for tid, t in after.items() if tid not in others and t > before.get(tid, 0))
 
 
@@ -53,8 +55,9 @@ def one_torch_thread():
     torch.set_num_threads(was)
 
 
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "background"])
 @pytest.mark.parametrize("threads", [None, 1, 2])
-def test_a_save_uses_at_most_its_threads(tmp_path, threads, one_torch_thread):
+def test_a_save_uses_at_most_its_threads(tmp_path, threads, blocking, one_torch_thread):
     limit = torch.get_num_threads() if threads is None else threads
     # 128 MiB: a base of 128 files and a delta found by hashing every row, enough work for every
     # thread taking part to show in its CPU time.
@@ -62,10 +65,14 @@ def test_a_save_uses_at_most_its_threads(tmp_path, threads, one_torch_thread):
     dense = torch.randn(8 * MiB)
     state = {"table": table, "dense": dense, "small": [torch.randn(50, 4) for _ in range(30)]}
     with Checkpointer(tmp_path, chunk_bytes=MiB, memory_budget=16 * MiB, threads=threads) as ckpt:
-        assert helpers_used(lambda: ckpt.save(1, state)) <= limit
+        def save(step: int) -> None:
+            out = ckpt.save(step, state, blocking=blocking)
+            assert (out if blocking else out.result()).step == step
+
+        assert helpers_used(lambda: save(1)) <= limit
         table[::1000] += 1
         dense[::1000] += 1
-        assert helpers_used(lambda: ckpt.save(2, state)) <= limit
+        assert helpers_used(lambda: save(2)) <= limit
         assert ckpt.steps() == [1, 2]
         assert ckpt.load(2)["table"].equal(table)
 
