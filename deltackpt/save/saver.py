@@ -115,8 +115,8 @@ class Saver:
                           quantize=self._quantize.choices(plan.tensors))
 
         def scan_here() -> tuple[ScanSummary, Scanned]:
-            held = self._local.flat.tensors if self._local is not None else None
-            self._scanned = scan(self._tracker, items, self._quantize, self._scanned, held)
+            assert self._local is not None  # _write_items set it: every tensor this rank holds
+            self._scanned = scan(self._tracker, items, self._quantize, self._scanned, self._local.flat.tensors)
             return ScanSummary.of(self._scanned.scans), self._scanned
 
         try:

@@ -107,8 +107,10 @@ def test_a_base_writes_its_large_chunks_direct(tmp_path, monkeypatch):
     real = storage._writer._write_direct
     monkeypatch.setattr(storage._writer, "_write_direct",
                         lambda fd, data: direct.append(real(fd, data)) or direct[-1])
-    probe = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0))
-    os.close(probe)  # a file system that refuses O_DIRECT fails the open (and the save writes buffered)
+    try:  # a file system that refuses O_DIRECT gets buffered writes (another test's case)
+        os.close(os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+    except (AttributeError, OSError):
+        pytest.skip("this file system refuses O_DIRECT")
     table = torch.randn(5 * (1 << 19) + 3, 1)
     with Checkpointer(storage, chunk_bytes=2 << 20, memory_budget=8 << 20) as ckpt:
         ckpt.save(1, {"table": table})
