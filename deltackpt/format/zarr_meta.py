@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from numcodecs import Blosc
+
+if TYPE_CHECKING:
+    from numcodecs import Blosc
 
 from . import dtypes
 
@@ -61,9 +63,11 @@ def array_doc(shape: tuple[int, ...], chunk_shape: tuple[int, ...], dtype: torch
 
 
 def codec_for(dtype: torch.dtype) -> Blosc | None:
-    """The codec of chunks of ``dtype`` (None: stored raw)."""
+    """The codec of chunks of ``dtype`` (None: stored raw). numcodecs is imported here, by the
+    first save or read of a dtype that compresses: a sixth of ``import deltackpt`` otherwise."""
     if not dtypes.compresses(dtype):
         return None
+    from numcodecs import Blosc
     itemsize = torch.empty((), dtype=dtype).element_size()
     return Blosc(cname=dtypes.BLOSC_CNAME, clevel=dtypes.BLOSC_LEVEL, shuffle=Blosc.SHUFFLE,
                  typesize=itemsize, blocksize=0)
