@@ -138,7 +138,12 @@ class Saver:
         def stage_here() -> dict[str, TensorChange]:
             staged = stage(writers, save, items, changes, held, self._sizes, plan=plan)
             if save.kind == Kind.BASE:  # hashed now, as staged: the background may run on after
-                staged = self._tracker.hash_whole(tensors, staged)
+                try:
+                    staged = self._tracker.hash_whole(tensors, staged)
+                except BaseException:  # as stage's own failures: the pack's file holds a thread
+                    for w in writers:
+                        w.abandon()
+                    raise
             return staged
 
         staging = stage_here
