@@ -1,0 +1,128 @@
+"""A save that raises in any phase of its own work (a kernel's error, an interrupt, a bug), not
+only in its storage: the error reaches the caller, ``close()`` returns, no thread is left, every
+step committed restores to the state it was saved from, and the next save carries what the
+failed one did not store."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+import deltackpt.io.pack as pack_module
+import deltackpt.io.writer as writer_module
+import deltackpt.save.saver as saver_module
+import deltackpt.save.stage as stage_module
+import deltackpt.tracking.changes as changes_module
+import deltackpt.tracking.hashing as hashing_module
+from deltackpt import Checkpointer
+from helpers import assert_same_state, checkpointer_threads
+
+# What raises, and in which saves it runs (a target that stops running there fails its test).
+PHASES: dict[str, tuple[Any, str, tuple[str, ...]]] = {
+    "scan": (changes_module.ChangeTracker, "scan", ("base", "delta")),
+    "hash": (hashing_module.Hasher, "many", ("base", "delta")),
+    "stage": (stage_module, "stage_part", ("base", "delta")),
+    "staging copy": (writer_module.StepWriter, "copy", ("base",)),
+    "row gather": (writer_module.StepWriter, "gather", ("delta",)),
+    "pack append": (pack_module.Pack, "append", ("base", "delta")),
+    "whole hash": (changes_module.ChangeTracker, "hash_whole", ("base",)),
+    "part table": (saver_module, "part_table", ("base", "delta")),
+    "commit": (saver_module, "commit", ("base", "delta")),
+    "adopt": (changes_module.ChangeTracker, "adopt", ("base", "delta")),
+}
+CASES = [(phase, kind) for phase, (_, _, kinds) in PHASES.items() for kind in kinds]
+
+
+class Injected(RuntimeError):
+    pass
+
+
+def _caused_by_injection(e: BaseException | None) -> bool:
+    while e is not None:
+        if isinstance(e, Injected):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _state() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
+    return {"emb": torch.randn(4000, 16, generator=gen),  # marked
+            "dense": torch.randn(300, 64, generator=gen),  # hashed by rows
+            "bias": torch.randn(40, generator=gen),  # small: packed
+            "step": 0}
+
+
+def _train(ckpt: Checkpointer, state: dict[str, Any], step: int) -> None:
+    ids = torch.arange(step, 4000, 97)
+    state["emb"][ids] += 1.0
+    ckpt.mark("emb", ids)
+    state["dense"][step % 300] -= 1.0
+    state["bias"][step % 40] += 0.5
+    state["step"] = step
+
+
+def _snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def _save(ckpt: Checkpointer, step: int, state: dict[str, Any], blocking: bool) -> str:
+    if blocking:
+        return ckpt.save(step, state).kind
+    return ckpt.save(step, state, blocking=False).result().kind
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "background"])
+@pytest.mark.parametrize(("phase", "kind"), CASES, ids=[f"{p}-{k}" for p, k in CASES])
+def test_a_save_raising_in_any_phase_leaves_nothing_behind(tmp_path, monkeypatch, phase, kind, blocking):
+    owner, name, _ = PHASES[phase]
+    real = getattr(owner, name)
+    armed, fired = [False], [False]
+
+    def raising(*args: Any, **kwargs: Any) -> Any:
+        if armed[0]:
+            fired[0] = True
+            raise Injected(f"{phase} failed")
+        return real(*args, **kwargs)
+
+    before = checkpointer_threads()
+    state = _state()
+    saved: dict[int, dict[str, Any]] = {}
+    # A base, a delta, then the failing save: a base every second save, or none for a while.
+    ckpt = Checkpointer(tmp_path / "store", base_every=2 if kind == "base" else 1000, chunk_bytes=16 << 10,
+                        memory_budget=128 << 10, threads=2)
+    failing = 3
+    try:
+        monkeypatch.setattr(owner, name, raising)
+        for step in (1, 2):
+            _train(ckpt, state, step)
+            assert _save(ckpt, step, state, blocking) == ("base" if step == 1 else "delta")
+            saved[step] = _snapshot(state)
+        _train(ckpt, state, failing)
+        at_failure = _snapshot(state)
+        armed[0] = True
+        with pytest.raises(Exception) as raised:  # noqa: PT011 - whatever wraps it must name it
+            _save(ckpt, failing, state, blocking)
+        armed[0] = False
+        assert fired[0], f"{phase} did not run in a {kind}"
+        assert _caused_by_injection(raised.value), f"{raised.value!r} does not come from the injected error"
+        if failing in ckpt.steps():  # failed after its commit (adopt): what it stored is right
+            saved[failing] = at_failure
+        _train(ckpt, state, 4)
+        _save(ckpt, 4, state, blocking)  # carries whatever the failed save did not store
+        saved[4] = _snapshot(state)
+    finally:
+        closing = threading.Thread(target=ckpt.close, daemon=True)
+        closing.start()
+        closing.join(60)
+    assert not closing.is_alive(), f"close() hangs after the {phase} of a {kind} failed"
+    assert checkpointer_threads() <= before
+    with Checkpointer(tmp_path / "store") as again:
+        assert again.steps() == sorted(saved)
+        for step, want in saved.items():
+            live = _state()
+            again.restore(live, step=step)
+            assert_same_state(live, want)
