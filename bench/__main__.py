@@ -46,6 +46,7 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+RESULTS = "bench/results"  # the default --out, from ROOT
 SIZES = ("tiny", "quick", "full")
 
 
@@ -200,8 +201,10 @@ def versions() -> dict[str, Any]:
     try:
         out["deltackpt_commit"] = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True,
                                                  check=True).stdout.strip()
-        out["deltackpt_dirty"] = bool(subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
-                                                     capture_output=True, text=True).stdout.strip())
+        # Changes to tracked files but the results a run writes as it goes (bench/results).
+        out["deltackpt_dirty"] = bool(subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no", "--", ".", f":(exclude){RESULTS}"],
+            capture_output=True, text=True).stdout.strip())
     except (OSError, subprocess.CalledProcessError):
         out["deltackpt_commit"] = None
     return out
@@ -438,7 +441,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size", choices=SIZES, default="full", help="the size to run (default: full)")
     p.add_argument("--only", default="", help="comma-separated bench names to run (default: all)")
     p.add_argument("--skip", default="", help="comma-separated bench names not to run")
-    p.add_argument("--out", default=os.path.join(HERE, "results"), help="results folder (default bench/results)")
+    p.add_argument("--out", default=os.path.join(ROOT, RESULTS), help=f"results folder (default {RESULTS})")
     p.add_argument("--dir", default=tempfile.gettempdir(), help="where the benches' scratch folder goes")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds a bench process may run (default: 900 quick or tiny, 5400 full)")
