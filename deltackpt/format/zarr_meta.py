@@ -64,7 +64,7 @@ def array_doc(shape: tuple[int, ...], chunk_shape: tuple[int, ...], dtype: torch
 
 def codec_for(dtype: torch.dtype) -> Blosc | None:
     """The codec of chunks of ``dtype`` (None: stored raw). numcodecs is imported here, by the
-    first save or read of a dtype that compresses: a sixth of ``import deltackpt`` otherwise."""
+    first save or read of a dtype that compresses: a fifth of ``import deltackpt`` otherwise."""
     if not dtypes.compresses(dtype):
         return None
     from numcodecs import Blosc

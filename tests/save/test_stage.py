@@ -3,15 +3,11 @@ them while the writes finish."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 import deltackpt.save.saver as saver_module
 from deltackpt import Checkpointer, MemoryStorage
-from deltackpt.tracking.changes import ChangeTracker
-from helpers import checkpointer_threads
 
 
 @pytest.mark.parametrize("dense_chunk_bytes", [64, 1 << 20])
@@ -45,35 +41,6 @@ def test_changing_the_state_after_stage_does_not_change_the_step(monkeypatch, de
             assert ckpt.save(2, state).kind == "delta"
         got = ckpt.load(2)
         assert torch.equal(got["table"], want["table"]) and torch.equal(got["vec"], want["vec"])
-
-
-@pytest.mark.parametrize("blocking", [True, False])
-def test_a_base_whose_hash_fails_once_staged_ends_its_writes(tmp_path, monkeypatch, blocking):
-    """A base is hashed whole once staged; if that fails (a kernel's error, an interrupt), the
-    writes staged end: the pack's file, which holds an I/O thread until the pack ends, too."""
-    state = {"t": torch.randn(1000, 8), "v": torch.randn(5000), "big": torch.randn(64, 1024)}
-    before = checkpointer_threads()
-
-    def failing(self, tensors, changes):
-        raise RuntimeError("the hash kernel failed")
-
-    ckpt = Checkpointer(tmp_path / "store", chunk_bytes=64 << 10, memory_budget=256 << 10, threads=2)
-    with monkeypatch.context() as patch:
-        patch.setattr(ChangeTracker, "hash_whole", failing)
-        with pytest.raises(RuntimeError, match="the hash kernel failed"):
-            ckpt.save(1, state, blocking=blocking)
-    assert ckpt.steps() == []
-    saved = ckpt.save(2, state, blocking=blocking)
-    assert (saved if blocking else saved.result()).kind == "base"  # every staging buffer came back
-    closing = threading.Thread(target=ckpt.close, daemon=True)
-    closing.start()
-    closing.join(60)
-    assert not closing.is_alive(), "close() waits for a write the failed base left running"
-    assert checkpointer_threads() <= before
-    with Checkpointer(tmp_path / "store") as again:
-        assert again.steps() == [2]
-        got = again.load(2)
-    assert all(torch.equal(got[k], v) for k, v in state.items())
 
 
 class _Recorder:
