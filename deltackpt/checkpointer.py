@@ -175,8 +175,7 @@ class Checkpointer:
     @overload
     def save(self, step: int, state: Mapping[str, Any], *, blocking: Literal[False]) -> SaveHandle: ...
 
-    def save(self, step: int, state: Mapping[str, Any], *,
-             blocking: bool = True) -> SaveInfo | SaveHandle:
+    def save(self, step: int, state: Mapping[str, Any], *, blocking: bool = True) -> SaveInfo | SaveHandle:
         """Saves ``state`` as ``step``: a base or a delta against the last step saved or restored.
 
         Every rank of the process group calls it with the same step; each passes its own state
@@ -264,8 +263,8 @@ class Checkpointer:
         place; modules get their parameters and buffers filled in place; other objects with
         ``load_state_dict`` (optimizers) are loaded from the saved state; plain values are
         replaced in their dicts and lists. Afterwards the next save can be a delta against ``step``
-        (the reads hash the rows they restore for it). On several ranks, a rank may hold only
-        some tensors (table-wise sharding); together the ranks must hold every saved tensor.
+        (the reads hash the rows they restore for it); after a failed restore it is a base. On
+        several ranks, a rank may hold only some tensors; together they hold every saved tensor.
 
         Returns:
             The step restored.
@@ -273,10 +272,11 @@ class Checkpointer:
         Raises:
             KeyMismatchError, DtypeMismatchError, ShapeMismatchError: ``state`` does not match
                 what was saved; nothing was changed.
-            StepNotFoundError, BrokenChainError, IntegrityError: as for :meth:`load`.
-            CheckpointAborted: on several ranks, any rank's failure.
+            StepNotFoundError, BrokenChainError, IntegrityError: as for :meth:`load`; ``state``
+                may hold part of the step. CheckpointAborted: on several ranks, any rank's failure.
         """
         self.wait()
+        self._saver.restored(None, ChainState(0, 0, 0))  # until it succeeds: no delta fits a part-read state
         chain = restore(state, lambda: self._resolve(step), store=self.store, coll=self._coll, pool=self._pool,
                         executor=self._executor, tracker=self._tracker)
         m = chain[-1]

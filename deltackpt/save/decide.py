@@ -42,7 +42,8 @@ def decide(policy: BasePolicy, head: Manifest | None, chain: ChainState, plan: G
         kind, reason = Kind.BASE, (f"step {head.step}, which the delta would apply to, is gone "
                                    "(removed by gc, or withdrawn by a writer that lost the lease)")
     elif head is None:
-        kind, reason = Kind.BASE, "no earlier step saved or restored by this checkpointer"
+        kind, reason = Kind.BASE, ("no earlier step saved or restored by this checkpointer (or its last "
+                                   "restore failed)")
     elif not all(s.complete for s in scans):
         kind, reason = Kind.BASE, "a tensor is new, or its dtype, shape or layout changed"
     else:

@@ -308,8 +308,8 @@ class Saver:
             self._lease.hold()
             raise
 
-    def restored(self, head: Manifest, chain: ChainState) -> None:
-        """After a restore: the next delta applies to ``head``."""
+    def restored(self, head: Manifest | None, chain: ChainState) -> None:
+        """After a restore: the next delta applies to ``head`` (None: the next save is a base)."""
         self._head = head
         self._chain = chain
 

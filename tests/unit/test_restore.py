@@ -172,3 +172,42 @@ def test_constructor_validation(store_path):
         Checkpointer(store_path, chunk_bytes=1 << 20, memory_budget=1 << 20)
     with pytest.raises(SettingError, match=r"coordinator_rank must be in \[0, 1\), got 1"):
         Checkpointer(store_path, coordinator_rank=1)
+
+
+def test_a_restore_that_fails_part_way_makes_the_next_save_a_base(store_path, monkeypatch):
+    """A read that fails leaves part of the step in the state, in rows no mark names and no
+    reference describes: the next save is a base, exact; a restore that succeeds later allows
+    deltas again."""
+    import deltackpt.io.reader as reader_module
+
+    gen = torch.Generator().manual_seed(0)
+    state = {"emb": torch.randn(4000, 16, generator=gen), "dense": torch.randn(300, 64, generator=gen)}
+    with Checkpointer(store_path, chunk_bytes=16 << 10, memory_budget=128 << 10, base_every=1000) as ckpt:
+        ckpt.save(1, state)
+        state["emb"][::7] += 1
+        ckpt.mark("emb", torch.arange(0, 4000, 7))
+        assert ckpt.save(2, state).kind == "delta"
+        at_step_2 = {k: v.clone() for k, v in state.items()}
+        real, calls = reader_module.ChainReader.fetch, []
+
+        def failing_part_way(self, *args, **kwargs):
+            calls.append(None)
+            if len(calls) > 10:  # of the 21 chunks
+                raise RuntimeError("the read failed")
+            return real(self, *args, **kwargs)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(reader_module.ChainReader, "fetch", failing_part_way)
+            with pytest.raises(RuntimeError, match="the read failed"):
+                ckpt.restore(state, step=1)
+        assert not all(torch.equal(state[k], at_step_2[k]) for k in state)  # part of step 1 landed
+        state["emb"][5] += 3
+        ckpt.mark("emb", torch.tensor([5]))
+        info = ckpt.save(3, state)
+        assert info.kind == "base" and "restore failed" in info.reason
+        assert_same_state(ckpt.load(3), state)
+        ckpt.restore(state, step=2)
+        state["emb"][6] += 3
+        ckpt.mark("emb", torch.tensor([6]))
+        assert ckpt.save(4, state).kind == "delta"
+        assert_same_state(ckpt.load(4), state)
