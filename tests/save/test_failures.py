@@ -34,6 +34,7 @@ PHASES: dict[str, tuple[Any, str, tuple[str, ...]]] = {
     "adopt": (changes_module.ChangeTracker, "adopt", ("base", "delta")),
 }
 CASES = [(phase, kind) for phase, (_, _, kinds) in PHASES.items() for kind in kinds]
+ROWS = 200_000
 
 
 class Injected(RuntimeError):
@@ -50,14 +51,16 @@ def _caused_by_injection(e: BaseException | None) -> bool:
 
 def _state() -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
-    return {"emb": torch.randn(4000, 16, generator=gen),  # marked
+    # The table is large beside its changes, so that the canary (1,024 rows a delta) would
+    # seldom see a change a lost mark left out: marks must survive the failure themselves.
+    return {"emb": torch.randn(ROWS, 4, generator=gen),  # marked
             "dense": torch.randn(300, 64, generator=gen),  # hashed by rows
             "bias": torch.randn(40, generator=gen),  # small: packed
             "step": 0}
 
 
 def _train(ckpt: Checkpointer, state: dict[str, Any], step: int) -> None:
-    ids = torch.arange(step, 4000, 97)
+    ids = torch.arange(step, ROWS, 10_007)  # 20 rows
     state["emb"][ids] += 1.0
     ckpt.mark("emb", ids)
     state["dense"][step % 300] -= 1.0
@@ -92,8 +95,8 @@ def test_a_save_raising_in_any_phase_leaves_nothing_behind(tmp_path, monkeypatch
     state = _state()
     saved: dict[int, dict[str, Any]] = {}
     # A base, a delta, then the failing save: a base every second save, or none for a while.
-    ckpt = Checkpointer(tmp_path / "store", base_every=2 if kind == "base" else 1000, chunk_bytes=16 << 10,
-                        memory_budget=128 << 10, threads=2)
+    ckpt = Checkpointer(tmp_path / "store", base_every=2 if kind == "base" else 1000, chunk_bytes=256 << 10,
+                        memory_budget=1 << 20, threads=2)
     failing = 3
     try:
         monkeypatch.setattr(owner, name, raising)
