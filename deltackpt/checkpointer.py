@@ -219,10 +219,9 @@ class Checkpointer:
     # -- load and restore ---------------------------------------------------------------------
 
     def _resolve(self, step: int | None) -> int:
+        step = self.latest_step() if step is None else step
         if step is None:
-            step = self.latest_step()
-            if step is None:
-                raise StepNotFoundError(-1, [])
+            raise StepNotFoundError(-1, [])
         return step
 
     def load(self, step: int | None = None, *, row_shard: tuple[int, int] | None = None,
@@ -273,7 +272,8 @@ class Checkpointer:
             KeyMismatchError, DtypeMismatchError, ShapeMismatchError: ``state`` does not match
                 what was saved; nothing was changed.
             StepNotFoundError, BrokenChainError, IntegrityError: as for :meth:`load`; ``state``
-                may hold part of the step. CheckpointAborted: on several ranks, any rank's failure.
+                may hold part of the step.
+            CheckpointAborted: on several ranks, any rank's failure.
         """
         self.wait()
         self._saver.restored(None, ChainState(0, 0, 0))  # until it succeeds: no delta fits a part-read state
