@@ -136,15 +136,15 @@ class Saver:
 
         @paused()
         def stage_here() -> dict[str, TensorChange]:
-            staged = stage(writers, save, items, changes, held, self._sizes, plan=plan)
-            if save.kind == Kind.BASE:  # hashed now, as staged: the background may run on after
-                try:
+            try:
+                staged = stage(writers, save, items, changes, held, self._sizes, plan=plan)
+                if save.kind == Kind.BASE:  # hashed now, as staged: the background may run on after
                     staged = self._tracker.hash_whole(tensors, staged)
-                except BaseException:  # as stage's own failures: the pack's file holds a thread
-                    for w in writers:
-                        w.abandon()
-                    raise
-            return staged
+                return staged
+            except BaseException:  # every queued write ends (a pack's file holds an I/O thread)
+                for w in writers:
+                    w.abandon()
+                raise
 
         staging = stage_here
         if not blocking:

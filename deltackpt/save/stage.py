@@ -129,7 +129,7 @@ def stage(writers: list[StepWriter], save: SavePlan, items: tuple[WriteItem, ...
     coordinator, which passes the global ``plan``, the step's metadata into ``writers[1]``;
     returns the change sets of the items' tensors (``changes``, of exactly those), hashes filled
     in, once every writer has all of them (:meth:`~deltackpt.io.writer.StepWriter.staged`). On
-    failure every queued write ends and every buffer goes back before the error propagates.
+    failure the caller abandons the writers (see :meth:`~deltackpt.io.writer.StepWriter.abandon`).
 
     A base's packed parts come last: the pack's file keeps an I/O thread until the pack ends, and
     the files of the large parts, queued before it, must not wait for a thread behind it. Those
@@ -150,22 +150,17 @@ def stage(writers: list[StepWriter], save: SavePlan, items: tuple[WriteItem, ...
         work = [*large, *packed]
     else:
         work = list(itertools.compress(zip(items, held), held))
-    try:
-        if plan is not None:
-            describe(writers[1], save, plan, sizes)
-        staged = dict(changes)
-        for it, n in work:
-            staged[it.key] = stage_part(writers[0], save.kind, it, changes[it.key], n, sizes,
-                                        save.quantize[it.key].rule if it.key in save.quantize else None)
-        if small:
-            FULL.encode_packed(writers[0], [(it.key, it.part.path, it.tensor, _chunk_shape(it, sizes)) for it in small])
-        for w in writers:
-            w.staged()
-        return staged
-    except BaseException:
-        for w in writers:
-            w.abandon()
-        raise
+    if plan is not None:
+        describe(writers[1], save, plan, sizes)
+    staged = dict(changes)
+    for it, n in work:
+        staged[it.key] = stage_part(writers[0], save.kind, it, changes[it.key], n, sizes,
+                                    save.quantize[it.key].rule if it.key in save.quantize else None)
+    if small:
+        FULL.encode_packed(writers[0], [(it.key, it.part.path, it.tensor, _chunk_shape(it, sizes)) for it in small])
+    for w in writers:
+        w.staged()
+    return staged
 
 
 def _packed(item: WriteItem, sizes: tuple[int, int]) -> bool:

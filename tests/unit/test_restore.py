@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+import deltackpt.io.reader as reader_module
 from deltackpt import (
     Checkpointer,
     DtypeMismatchError,
@@ -178,8 +179,6 @@ def test_a_restore_that_fails_part_way_makes_the_next_save_a_base(store_path, mo
     """A read that fails leaves part of the step in the state, in rows no mark names and no
     reference describes: the next save is a base, exact; a restore that succeeds later allows
     deltas again."""
-    import deltackpt.io.reader as reader_module
-
     gen = torch.Generator().manual_seed(0)
     state = {"emb": torch.randn(4000, 16, generator=gen), "dense": torch.randn(300, 64, generator=gen)}
     with Checkpointer(store_path, chunk_bytes=16 << 10, memory_budget=128 << 10, base_every=1000) as ckpt:
