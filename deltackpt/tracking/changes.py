@@ -162,9 +162,7 @@ class ChangeTracker:
         self._refs = refs
         self._joined = self._adopted_joined(changes)
         for table in self._scanned:
-            marked = table.mode is TableMode.ON and id(table) not in self._audited
-            table.deltas_since_audit = table.deltas_since_audit + 1 if marked and not base else 0
-            table.committed()
+            table.committed(base=base, marked=table.mode is TableMode.ON and id(table) not in self._audited)
         self._scanned = []
         self._audited = set()
         return self._settle() if base else {}
@@ -230,7 +228,6 @@ class ChangeTracker:
         self._refs = {k: ref(k, t) for k, t in tensors.items()}
         self._joined = self._scanned_joined = self._layout = None
         for group in groups:
-            group.table.deltas_since_audit = 0
             group.table.restored(group.rows, tensors[group.keys[0]].device)
 
     # -- internals ------------------------------------------------------------------------------

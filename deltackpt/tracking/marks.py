@@ -42,12 +42,16 @@ class Canary:
     (``fraction``). An optimizer that changes untouched rows (weight decay, dense Adam) changes
     nearly all of them, so the first delta finds it.
 
-    **Audit.** Every ``audit_every``-th delta since the table's last audit or base hashes every
-    row of the table and of its optimizer state, and that delta writes every row whose hash
-    changed: a stray change reaches the store at most ``audit_every`` deltas after it happened,
-    whatever the sample missed (the deltas in between lack it). A base writes every row anyway;
-    its commit hashes the tables whole, so later comparisons start from what it stored. An audit
-    costs a hash of the table (hashing runs ~5x faster than writing it).
+    **Audit.** Every ``audit_every``-th delta since the table's last audit hashes every row of
+    the table and of its optimizer state, and that delta writes every row whose hash changed: a
+    stray change reaches the store at most ``audit_every`` deltas after it happened, whatever the
+    sample missed (the deltas in between lack it). A base writes every row anyway; its commit
+    hashes the tables whole, so later comparisons start from what it stored. An audit costs a
+    hash of the table (hashing runs ~5x faster than writing it), on the delta's blocked path, so
+    the tables of one tracker take turns: after a base or a restore, the first audit of the
+    ``i``-th table tracked comes ``frac(i x 0.618) x audit_every`` deltas early (rounded down),
+    so that no delta hashes every table (the eight tables of a 2.2 GB state, all audited at one
+    delta, blocked that background delta for 0.25 s where the others blocked for 0.02 s).
 
     Either way, a stray change found is logged as a warning naming the table, and the table is
     hashed at every save from then on, so its deltas are exact.
@@ -117,6 +121,11 @@ def draw_rows(rows: int, count: int, generator: np.random.Generator) -> torch.Te
     return torch.from_numpy(drawn)
 
 
+GOLDEN = (5 ** 0.5 - 1) / 2
+"""Spreads the tables' audits: the shares ``i x GOLDEN mod 1`` of the first ``n`` tables, for
+any ``n``, leave gaps of at most three lengths (the three-distance theorem), the longest under
+three times the shortest."""
+
 LOG_SHARE = 1 / 16
 """The most rows a table's log of marked rows holds, as a share of its rows: where a sort of the
 logged ids stops paying against a pass over the mask (62,500 ids sorted in about the 0.5 ms that
@@ -143,6 +152,8 @@ class TrackedTable:
         param: the parameter, to find its optimizer state; None for a key marked by hand.
         optimizer: an optimizer that may update ``param``, and its flat-key prefix.
         canary: the canary's sample size.
+        order: how many tables its tracker had tracked before it, which places its audits
+            among theirs (see :class:`Canary`).
     """
 
     def __init__(
@@ -151,13 +162,15 @@ class TrackedTable:
         param: torch.Tensor | None,
         optimizer: tuple[torch.optim.Optimizer, str] | None,
         canary: Canary,
+        order: int = 0,
     ):
         self.keys = keys
         self.param = param
         self.optimizer = optimizer
         self.canary = canary
         self.rng = canary.generator()
-        self.deltas_since_audit = 0  # marks-based deltas committed since the last audit or base
+        self.audit_share = order * GOLDEN % 1.0  # of audit_every, counted ahead after a base or restore
+        self.deltas_since_audit = 0  # marks-based deltas committed since the last audit (or counted ahead)
         self.mode = TableMode.OFF
         self.mask: torch.Tensor | None = None
         # A CPU mask's set rows, each once, in the order they were first marked: a take sorts
@@ -287,9 +300,15 @@ class TrackedTable:
             self.begin(rows, device)
             self.mode = TableMode.STARTING
 
-    def committed(self) -> None:
-        """The save that scanned the table committed: its pending rows are saved, and marks that
-        started with it now stand for the table's changes (STARTING -> ON)."""
+    def committed(self, *, base: bool = False, marked: bool = False) -> None:
+        """The save that scanned the table committed, a ``base`` or a delta (``marked``: that
+        took the table's changes from its marks, not from an audit's or a scan's hashes): its
+        pending rows are saved, the deltas toward its next audit counted, and marks that started
+        with it now stand for the table's changes (STARTING -> ON)."""
+        if base:
+            self.restart_audits()
+        else:
+            self.deltas_since_audit = self.deltas_since_audit + 1 if marked else 0
         if self.mode is TableMode.STARTING:
             self.mode = TableMode.ON
         self.settle()
@@ -297,9 +316,16 @@ class TrackedTable:
     def restored(self, rows: int, device: torch.device) -> None:
         """The table was just restored: it matches its reference, so marks from now on stand for
         its changes (-> ON), unless it is hashed for good."""
+        self.restart_audits()
         if self.mode is not TableMode.HASHING:
             self.begin(rows, device)
             self.mode = TableMode.ON
+
+    def restart_audits(self) -> None:
+        """After a base or a restore: the deltas toward the next audit start at this table's
+        share of ``audit_every`` (see :class:`Canary`)."""
+        every = self.canary.audit_every
+        self.deltas_since_audit = int(self.audit_share * every) if every is not None else 0
 
     def stop(self) -> None:
         """Stops recording; the next save hashes the table (``mode`` OFF, or stays HASHING)."""

@@ -319,7 +319,7 @@ class RowTracker:
     ) -> TrackedTable:
         t = next((self._tables[k] for k in keys if k in self._tables), None)
         if t is None:
-            t = TrackedTable(keys, param, optimizer, canary)
+            t = TrackedTable(keys, param, optimizer, canary, order=len(self.tables()))
         else:
             # Tracked before (by hand, or by an earlier track call): keep its marks.
             t.keys = tuple(dict.fromkeys(t.keys + keys))

@@ -147,3 +147,33 @@ def test_a_base_rehashes_so_later_audits_compare_with_what_it_stored(caplog):
         assert not _delta_with_strays(ckpt, table, step, [], caplog), step
         assert torch.equal(ckpt.load(step)["m"]["weight"], table)
     ckpt.close()
+
+
+def test_the_tables_of_a_tracker_take_turns_to_audit(caplog):
+    # Each of four tables has a stray change right after the base. One row sampled per delta
+    # (seeded: it misses them), an audit every 8 deltas: each table's audit finds its own stray
+    # at a delta of its own, all within 8 deltas of the base, so no delta hashes every table.
+    ckpt = Checkpointer(MemoryStorage(), chunk_bytes=4096, memory_budget=1 << 16)
+    tables = nn.ModuleDict({f"t{i}": nn.Embedding(ROWS, 4) for i in range(4)})
+    ckpt.track(tables, prefix="m", canary=Canary(fraction=0.0, min_rows=1, audit_every=8, seed=5))
+    assert ckpt.save(0, {"m": tables}).kind == "base"
+    with torch.no_grad():
+        for i, t in enumerate(tables.values()):
+            t.weight[500 + i] += 1
+    found: dict[str, int] = {}
+    for step in range(1, 9):
+        caplog.clear()
+        for t in tables.values():
+            t(torch.tensor([step]))
+            with torch.no_grad():
+                t.weight[step] += 1
+        with caplog.at_level(logging.WARNING):
+            assert ckpt.save(step, {"m": tables}).kind == "delta"
+        for r in caplog.records:
+            assert "the audit found" in r.getMessage()
+            found[next(k for k in tables if f"'m/{k}.weight'" in r.getMessage())] = step
+    assert sorted(found) == list(tables)
+    assert len(set(found.values())) == 4, found
+    restored = ckpt.load(8)["m"]
+    assert all(torch.equal(restored[f"{k}.weight"], t.weight) for k, t in tables.items())
+    ckpt.close()
