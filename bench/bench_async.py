@@ -34,6 +34,9 @@ checkpointer tracks the tables, so a delta writes the rows training marked. The 
               the save's threads take, and how long each then takes to commit
   fresh       in a new process, the blocked time of the first background save right after the
               checkpointer is built, and of two later ones (the kernels warm in the background)
+  audits      a background base and ``AUDITS`` deltas with ``Canary(audit_every=AUDITS)``, so
+              that each table is audited (hashed whole, on the blocked path) at one of them: the
+              slowest delta's blocked time against their median (the tables take turns)
 
 The staging budget of the background and blocking saves is the state's size (``--budget-mib``
 changes it), so a base is staged whole. Medians over ``--repeat`` rounds; the last table gives
@@ -68,6 +71,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import cpu_seconds, direct_bandwidth, figure, json_option, others_cpu, write_figures  # noqa: E402
 
 MiB = 1 << 20
+AUDITS = 8  # the audits part's deltas, and its audit_every
 QUICK = {"tables": 4, "rows": 65_536, "dim": 64, "steps": 5}
 
 
@@ -316,6 +320,20 @@ def main() -> None:
                 note(f"pure-Python loop beside a background {what} ms", 1000 * beside)
                 note(f"{what} background, pure-Python loop beside: to commit s", handle.result().seconds)
         shutil.rmtree(path)
+        path = os.path.join(root, f"r{r}-audits")
+        with Checkpointer(path, memory_budget=budget, threads=args.save_threads) as ckpt:
+            ckpt.track(model, prefix="model", optimizer=opt, canary=deltackpt.Canary(audit_every=AUDITS))
+            ckpt.save(step + 1, state, blocking=False).result()
+            blocked = []
+            for i in range(AUDITS):
+                train()
+                handle = ckpt.save(step + 2 + i, state, blocking=False)
+                blocked.append(handle.blocked_seconds)
+                handle.result()
+            note(f"1% delta background, every table audited in {AUDITS} deltas: slowest blocked s", max(blocked))
+            note(f"1% delta background, every table audited in {AUDITS} deltas: median blocked s",
+                 statistics.median(blocked))
+        shutil.rmtree(path)
         first, *later = fresh_process(os.path.join(root, f"fresh{r}"))
         note("first background save of a fresh process: blocked s", first)
         note("later background saves of that process: blocked s", statistics.median(later))
@@ -365,6 +383,9 @@ def report(figures: dict[str, list[float]], budget: int) -> None:
          med["pure-Python loop beside a background 1% delta ms"] / med["pure-Python loop alone ms"]),
         ("1% delta call to commit, pure-Python loop beside / its blocking save",
          med["1% delta background, pure-Python loop beside: to commit s"] / med["1% delta blocking: blocked s"]),
+        (f"slowest / median blocked of {AUDITS} background deltas auditing every table once",
+         med[f"1% delta background, every table audited in {AUDITS} deltas: slowest blocked s"]
+         / med[f"1% delta background, every table audited in {AUDITS} deltas: median blocked s"]),
         ("first background save of a fresh process / later ones (goal <= 1)",
          med["first background save of a fresh process: blocked s"]
          / med["later background saves of that process: blocked s"]),
@@ -397,6 +418,8 @@ def peer_of(name: str) -> tuple[str, str | None]:
         return unit, "train step alone ms"
     if name.startswith("pure-Python loop beside"):
         return unit, "pure-Python loop alone ms"
+    if name.endswith("deltas: slowest blocked s"):
+        return unit, name.replace("slowest", "median")
     if name == "first background save of a fresh process: blocked s":
         return unit, "later background saves of that process: blocked s"
     return unit, None
