@@ -266,7 +266,7 @@ KEY: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("bench_startup", ("",)),
     ("bench_busy", ("1% delta", "base save")),
     ("bench_async", ("base background: blocked", "1% delta background: blocked",
-                     "first background save", "train step beside")),
+                     "1% delta background, every table audited", "first background save", "train step beside")),
     ("bench_small_tensors", ("base save", "one-row delta", "next delta", "load")),
     ("bench_quant", ("incremental only, 8-bit", "8-bit encode")),
     ("bench_export", ("export",)),
