@@ -291,8 +291,8 @@ def main() -> None:
         # Training beside the saves (its steps would grow the delta above, so apart from it).
         written: dict[str, int] = {}
         base_then_delta("beside", ("base", "delta"), beside)
-        for what, nbytes in written.items():  # the machine's floor: beside a bare writer of as many bytes
-            steps, gbps = beside_writer(root, nbytes, train)
+        for what, size in written.items():  # the machine's floor: beside a bare writer of as many bytes
+            steps, gbps = beside_writer(root, size, train)
             note(f"train step beside a bare writer of the {what}'s bytes ms", 1000 * statistics.mean(steps))
             note(f"bare writer of the {what}'s bytes, training beside: GB/s", gbps)
         note("train step alone ms", 1000 * statistics.mean(timed(train, args.steps)))
