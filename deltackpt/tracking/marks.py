@@ -50,8 +50,9 @@ class Canary:
     hash of the table (hashing runs ~5x faster than writing it), on the delta's blocked path, so
     the tables of one tracker take turns: after a base or a restore, the first audit of the
     ``i``-th table tracked comes ``frac(i x 0.618) x audit_every`` deltas early (rounded down),
-    so that no delta hashes every table (the eight tables of a 2.2 GB state, all audited at one
-    delta, blocked that background delta for 0.25 s where the others blocked for 0.02 s).
+    so that with ``audit_every`` >= 2 no delta hashes every table (the eight tables of a 2.2 GB
+    state, all audited at one delta, blocked that background delta for 0.25 s where the others
+    blocked for 0.02 s).
 
     Either way, a stray change found is logged as a warning naming the table, and the table is
     hashed at every save from then on, so its deltas are exact.
