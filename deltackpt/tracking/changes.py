@@ -162,7 +162,7 @@ class ChangeTracker:
         self._refs = refs
         self._joined = self._adopted_joined(changes)
         for table in self._scanned:
-            table.committed(base=base, marked=table.mode is TableMode.ON and id(table) not in self._audited)
+            table.committed(base=base, audited=id(table) in self._audited)
         self._scanned = []
         self._audited = set()
         return self._settle() if base else {}

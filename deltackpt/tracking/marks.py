@@ -301,14 +301,16 @@ class TrackedTable:
             self.begin(rows, device)
             self.mode = TableMode.STARTING
 
-    def committed(self, *, base: bool = False, marked: bool = False) -> None:
-        """The save that scanned the table committed, a ``base`` or a delta (``marked``: that
-        took the table's changes from its marks, not from an audit's or a scan's hashes): its
-        pending rows are saved, the deltas toward its next audit counted, and marks that started
-        with it now stand for the table's changes (STARTING -> ON)."""
+    def committed(self, *, base: bool = False, audited: bool = False) -> None:
+        """The save that scanned the table committed, a ``base`` or a delta (``audited``: whose
+        scan audited the table): its pending rows are saved, the deltas toward its next audit
+        counted (a delta that took the table's changes from its marks counts one, one that
+        hashed it starts again), and marks that started with it now stand for the table's
+        changes (STARTING -> ON)."""
         if base:
             self.restart_audits()
         else:
+            marked = self.mode is TableMode.ON and not audited
             self.deltas_since_audit = self.deltas_since_audit + 1 if marked else 0
         if self.mode is TableMode.STARTING:
             self.mode = TableMode.ON
