@@ -109,6 +109,9 @@ def start_seaweedfs(*, timeout: float = 90.0) -> S3Server:
     args = [weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={folder}/data", "-s3",
             f"-s3.config={config}", "-s3.port.iceberg=0", "-s3.port.lance=0",
             "-master.volumeSizeLimitMB=1024", "-volume.max=200", "-master.telemetry=false",
+            # Its default keeps 1% of the disk free: on a large, nearly full disk every volume would
+            # turn read-only and every PUT fail after a minute, while the tests need far less room.
+            "-volume.minFreeSpace=256MiB",
             *(f"-{k}={v}" for k, v in ports.items())]
     return _started("seaweedfs", args, folder, f"http://127.0.0.1:{ports['s3.port']}", timeout)
 
@@ -129,15 +132,22 @@ def _started(kind: str, args: list[str], folder: str, url: str, timeout: float) 
     server = S3Server(kind, url, proc, folder, log_path)
     deadline = time.monotonic() + timeout
     probe = "deltackpt-probe-bucket"
+    bucket_made = False
     while True:
         if proc.poll() is not None:
             tail = server.log_tail()
             server.stop()
             raise RuntimeError(f"{kind} exited with {proc.returncode}: {tail}")
         try:
-            # Ready once a bucket can be made: SeaweedFS answers HTTP before its filer is up.
-            server.client().create_bucket(Bucket=probe)
-            server.client().delete_bucket(Bucket=probe)
+            # Ready once an object can be written: SeaweedFS answers HTTP before its filer is up,
+            # and makes buckets before it has a volume to write to.
+            client = server.client()
+            if not bucket_made:
+                client.create_bucket(Bucket=probe)
+                bucket_made = True
+            client.put_object(Bucket=probe, Key="probe", Body=b"probe")
+            client.delete_object(Bucket=probe, Key="probe")
+            client.delete_bucket(Bucket=probe)
             return server
         except Exception as e:  # noqa: BLE001 - any failure means "not up yet" until the deadline
             if time.monotonic() > deadline:

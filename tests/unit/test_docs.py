@@ -5,6 +5,7 @@ from __future__ import annotations
 import doctest
 import importlib
 import pkgutil
+import tempfile
 
 import pytest
 
@@ -14,6 +15,12 @@ MODULES = ["deltackpt"] + sorted(
     m.name for m in pkgutil.walk_packages(deltackpt.__path__, "deltackpt.")
     if not m.name.endswith("__main__")  # importing it runs the command line
 )
+
+
+@pytest.fixture(autouse=True)
+def examples_write_under_tmp_path(tmp_path, monkeypatch):
+    """The examples make their stores with ``tempfile.mkdtemp()``: under the test's folder."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 @pytest.mark.parametrize("name", MODULES)
