@@ -42,7 +42,23 @@ def transient(text: str) -> bool:
     return _STATUS_RETRY.search(text) is not None or any(w in text for w in _BROKEN)
 
 
+_XML_CODE = re.compile(r"<Code>([^<]*)</Code>")
+_XML_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
+
+
 def first_line(e: BaseException) -> str:
-    """The error's text on one line, at most 300 characters."""
+    """The error's text on one line, at most 300 characters, with a server's XML error document
+    in it given as its code and message (its prolog alone filled the room left after the
+    client's account of the request)."""
     text = " ".join(str(e).split())
-    return text if len(text) <= 300 else text[:297] + "..."
+    start = text.find("<?xml")
+    if start < 0:
+        start = text.find("<Error>")
+    found = [m.group(1) for m in (_XML_CODE.search(text, max(start, 0)),
+                                  _XML_MESSAGE.search(text, max(start, 0))) if m]
+    reason = ": ".join(found) if start >= 0 else ""
+    if reason:
+        text = text[:start] + reason
+    if len(text) <= 300:
+        return text
+    return text[:296 - len(reason)] + "... " + reason if reason else text[:297] + "..."
