@@ -25,6 +25,9 @@ _STATUS_416 = re.compile(r"status(?: code)?: 416\b")
 _STATUS_RETRY = re.compile(r"status(?: code)?: (?:5\d\d|429)\b")
 _BROKEN = ("SlowDown", "connection", "Connection", "timed out", "timeout", "reset", "closed",
            "broken pipe", "incomplete", "error sending request", "error decoding response body")
+_XML_DOC = re.compile(r"<\?xml|<Error>")
+_XML_CODE = re.compile(r"<Code>([^<]*)</Code>")
+_XML_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
 
 
 def retried_by_client(text: str) -> bool:
@@ -42,23 +45,19 @@ def transient(text: str) -> bool:
     return _STATUS_RETRY.search(text) is not None or any(w in text for w in _BROKEN)
 
 
-_XML_CODE = re.compile(r"<Code>([^<]*)</Code>")
-_XML_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
-
-
 def first_line(e: BaseException) -> str:
     """The error's text on one line, at most 300 characters, with a server's XML error document
     in it given as its code and message (its prolog alone filled the room left after the
     client's account of the request)."""
     text = " ".join(str(e).split())
-    start = text.find("<?xml")
-    if start < 0:
-        start = text.find("<Error>")
-    found = [m.group(1) for m in (_XML_CODE.search(text, max(start, 0)),
-                                  _XML_MESSAGE.search(text, max(start, 0))) if m]
-    reason = ": ".join(found) if start >= 0 else ""
-    if reason:
-        text = text[:start] + reason
-    if len(text) <= 300:
-        return text
-    return text[:296 - len(reason)] + "... " + reason if reason else text[:297] + "..."
+    reason = ""
+    if (doc := _XML_DOC.search(text)) is not None:
+        found = [m.group(1) for m in (_XML_CODE.search(text, doc.start()),
+                                      _XML_MESSAGE.search(text, doc.start())) if m]
+        if found:
+            reason = ": ".join(found)
+            text = text[:doc.start()] + reason
+    if len(text) > 300:
+        tail = f"... {reason}" if reason else "..."
+        text = text[:300 - len(tail)] + tail
+    return text
