@@ -28,10 +28,10 @@ from functools import partial
 import torch
 
 from ..collectives import Collective
-from ..errors import StepNotFoundError
+from ..errors import StepNotFoundError, StoreError
 from ..format import dtypes
 from ..format.encodings import FULL, in_pack, write_block
-from ..format.layout import STEPS, pack_name
+from ..format.layout import STEPS, chunk_path, pack_name
 from ..format.lossy import Lossy
 from ..format.manifest import (
     FORMAT,
@@ -183,11 +183,33 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
             format=LOSSY_FORMAT if m.format == LOSSY_FORMAT or m.lossy else FORMAT,
         )
         store.storage.point("compact_commit", "")
+        _check_files(store, base)
         store.commit(base)  # False: another compaction of this step won; its base serves
         return base.bytes_written
 
     written = coll.one("compact_commit", commit)
     return CompactInfo(m.step, True, len(work.chain), written, time.perf_counter() - t0)
+
+
+def _check_files(store: Store, base: Manifest) -> None:
+    """Raises unless every file ``base`` refers to is in the store: GC deletes the folder of a
+    compaction that stalled past the grace period (nothing names it before its commit), and a
+    base committed without its files would end every chain through its step."""
+    paths = [chunk_path(base, key, part, name) for key, rec in base.tensors.items()
+             for part in rec.parts for name, entry in part.chunks.items() if len(entry) == 2]
+    paths += [f"{STEPS}/{base.attempt}/{pack}/{name}" for pack, files in base.packs.items()
+              for name in files]
+    wanted: dict[str, set[str]] = {}
+    for path in paths:
+        folder, _, name = path.rpartition("/")
+        wanted.setdefault(folder, set()).add(name)
+    for folder, names in wanted.items():
+        gone = sorted(names - set(store.storage.files(folder)))
+        if gone:
+            more = f" and {len(gone) - 1} more files" if len(gone) > 1 else ""
+            raise StoreError(f"compaction of step {base.step}: {folder}/{gone[0]}{more} of its new "
+                             "base went while it ran (a GC deletes the folder of a compaction "
+                             "stalled past the grace period): nothing was committed")
 
 
 def _itemsize(rec: TensorRecord) -> int:

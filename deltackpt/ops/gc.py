@@ -17,7 +17,8 @@ and again after they are deleted, and the writer publishes its head before it ch
 head's record still exists: so either the writer finds its head gone (its save becomes a base) or
 GC finds it named in the lease and puts back the records of its chain it had just deleted (their
 folders are deleted last, so they are still there). Folders of compaction runs in flight and of
-writers fenced off by a take-over are protected by the grace period alone.
+writers fenced off by a take-over are protected by the grace period alone (a compaction whose
+folder went finds it before its commit, and commits nothing).
 
 Replacement bases are committed by compaction before GC runs, so nothing a retained step needs
 is ever deleted. A dry run reports the same without deleting.

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import faults
-from deltackpt import Checkpointer, IntegrityError, LocalStorage, MissingChunkError
+from deltackpt import Checkpointer, IntegrityError, LocalStorage, MissingChunkError, StoreError
 from deltackpt.ops import lease
 from deltackpt.ops.gc import Retention, collect, holder_chain
 from deltackpt.storage import FaultInjection
@@ -203,6 +203,24 @@ def test_compaction_while_training_saves(tmp_path):
     check_all(path, [5, 6, 7, 8])
     with Checkpointer(path, create=False) as ckpt:
         assert [m.step for m in ckpt.store.chain(8)] == [5, 6, 7, 8]
+
+
+def test_a_compaction_whose_folder_a_gc_took_commits_nothing(tmp_path):
+    path = str(tmp_path / "store")
+    history(path, range(1, 7))
+
+    def gc_elsewhere():  # a GC that finds the folder of a compaction stalled past its grace
+        with Checkpointer(path, create=False) as other:
+            assert other.gc(Retention(), grace_seconds=0).deleted
+
+    with Checkpointer(HookStorage(path, "compact_commit", gc_elsewhere), create=False) as job:
+        with pytest.raises(StoreError, match="compaction of step 5: .* went while it ran.*nothing"):
+            job.compact(5)
+        assert job.store.compacted(5) is None
+    check_all(path, range(1, 7))
+    with Checkpointer(path, create=False) as ckpt:  # and a compaction run again completes
+        assert ckpt.compact(5).done
+    check_all(path, range(1, 7))
 
 
 def compact_job(path: str, crash_at: int) -> None:
