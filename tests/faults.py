@@ -89,8 +89,8 @@ class FaultStorage(FaultInjection):
 
 class HeldWrites(FaultInjection):
     """A local store whose writes of chunk files of ``key`` pass until ``passing`` of them have
-    passed; the later ones wait at their ``fsync`` (their bytes written, their staging buffers
-    still held) until :meth:`open`. ``passed`` counts the writes that went through."""
+    passed; the later ones wait before their first byte (their staging buffers held) until
+    :meth:`open`. ``passed`` counts the writes that went through."""
 
     def __init__(self, root, *, key: str, passing: int):
         import threading
@@ -103,7 +103,7 @@ class HeldWrites(FaultInjection):
         self._lock = threading.Lock()
 
     def at_point(self, phase: str, key: str) -> None:
-        if phase != "fsync" or f"/{self.key}/" not in key or key.endswith("zarr.json"):
+        if phase != "write_chunk" or f"/{self.key}/" not in key or key.endswith("zarr.json"):
             return
         with self._lock:
             wait = self.passed >= self.passing and not self._gate.is_set()

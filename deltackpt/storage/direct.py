@@ -42,16 +42,18 @@ class DirectWriter:
         self._local = threading.local()
         self._direct = getattr(os, "O_DIRECT", 0)  # 0 once the file system refuses it
 
-    def write(self, fd: int, parts: Iterable[memoryview]) -> None:
-        """Writes ``parts`` one after the other into the open file ``fd``, from its start."""
-        at = 0
+    def write(self, fd: int, parts: Iterable[memoryview]) -> int:
+        """Writes ``parts`` one after the other into the open file ``fd``, from its start;
+        returns the bytes that went direct."""
+        at = direct = 0
         for part in parts:
             data = part.cast("B")
             if self._direct and at % BLOCK == 0 and len(data) >= DIRECT_MIN:
                 n = self._write_direct(fd, data[: len(data) // BLOCK * BLOCK])
-                at, data = at + n, data[n:]
+                at, data, direct = at + n, data[n:], direct + n
             write_all(fd, data)
             at += len(data)
+        return direct
 
     def _write_direct(self, fd: int, data: memoryview) -> int:
         """Writes whole blocks past the page cache, from their own memory if it is aligned, else

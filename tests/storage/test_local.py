@@ -118,6 +118,39 @@ def test_a_base_writes_its_large_chunks_direct(tmp_path, monkeypatch):
     assert len(direct) == 6 and sum(direct) > table.nbytes - 6 * BLOCK, (direct, table.nbytes)
 
 
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
+def test_files_written_direct_are_fsynced_together_by_sync(tmp_path):
+    # A file written through the page cache is fsync-ed by its writer; one written direct has
+    # its bytes on the disk already and is fsync-ed by sync, with the others in one batch.
+    points = []
+    storage = LocalStorage(tmp_path, on_point=lambda phase, key: points.append((phase, key)))
+    raw = np.random.default_rng(3).integers(0, 256, DIRECT_MIN + 2 * BLOCK, dtype=np.uint8)
+    aligned = memoryview(raw[-raw.ctypes.data % BLOCK:][:DIRECT_MIN])
+    try:
+        os.close(os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+    except OSError:
+        pytest.skip("this file system refuses O_DIRECT")
+    storage.write("steps/1-a/small", [memoryview(b"x" * 10)])
+    storage.write("steps/1-a/big.0", [aligned])
+    storage.write("steps/1-a/big.1", [aligned])
+    assert [k for phase, k in points if phase == "fsync"] == ["steps/1-a/small"]
+    batches = []
+
+    def run(jobs):
+        batches.append(len(jobs))
+        for job in jobs:
+            job()
+
+    points.clear()
+    storage.sync(["steps/1-a/small", "steps/1-a/big.0", "steps/1-a/big.1"], run=run)
+    assert sorted(k for phase, k in points if phase == "fsync") == ["steps/1-a/big.0", "steps/1-a/big.1"]
+    assert batches[0] == 2 and points[-1][0] == "fsync_dir"  # the files before their folders
+    points.clear()
+    storage.sync(["steps/1-a/big.0"], run=run)  # fsync-ed once
+    assert [phase for phase, _ in points] == ["fsync_dir"]
+    assert storage.read("steps/1-a/big.1") == bytes(aligned)
+
+
 def test_sync_issues_the_folders_fsyncs_together_through_run(tmp_path):
     # Every fsync flushes the device's cache: the folders' fsyncs of one sync are handed to
     # ``run`` together (a save runs them on its I/O threads), each folder once.
