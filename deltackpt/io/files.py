@@ -7,10 +7,11 @@ tracker needs). The disk starts on the file at once instead of after the hashing
 VM a 30 MB chunk's rows took 8-50 ms to hash, about as long as the write itself. The jobs wait
 in queues, taken in order by the I/O threads (one job asked of them for each one queued) and by
 the thread that waits for them all in :meth:`FileWrites.finish`: a large file's write when no
-file's bytes are being written (its fsync may overlap the next one's bytes), else a check,
-which gives back the staging buffer the saving thread waits for, else a write, else a small
-file (a base's zarr metadata: each one's fsync waits for the journal, and queued first they
-kept both I/O threads from the first chunk for 30-60 ms on a busy disk).
+file's bytes are being written (the end of a write, an fsync where its bytes went through the
+page cache, may overlap the next one's bytes), else a check, which gives back the staging buffer
+the saving thread waits for, else a write, else a small file (a base's zarr metadata: each one's
+fsync waits for the journal, and queued first they kept both I/O threads from the first chunk
+for 30-60 ms on a busy disk).
 """
 
 from __future__ import annotations
