@@ -13,9 +13,10 @@ s, ``sync_file_range`` at the write then ``fsync`` at the end 1.1-1.7 s, the sam
 spread over two threads 0.34-0.97 s, ``fsync`` by the writing thread 0.32-0.81 s. A ``syncfs``
 waits for every other process's unsynced data on the same file system too: a 1% delta took 0.83 s
 instead of 0.059 s after another process had written 1.5 GB. For a 2.2 GB base (124 files, its
-chunks written direct): 0.62-0.84 of the disk's O_DIRECT bandwidth (median 0.73 of 3 rounds) with every
-file ``fsync``-ed by its writer, 0.87-0.97 (median 0.89 of 4) with them left to ``sync``; a 1%
-delta, written through the page cache, took 0.043 s either way.
+chunks written direct): 0.62-0.84 of the disk's O_DIRECT bandwidth (median 0.73 of 3 rounds) with
+every file ``fsync``-ed by its writer, 0.87-0.97 (median 0.89 of 4) with those written direct
+left to ``sync``; a 1% delta (its pack written direct, its part table through the page cache)
+took 0.043 s either way.
 
 Large writes bypass the page cache (see :mod:`deltackpt.storage.direct`).
 
