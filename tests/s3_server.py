@@ -130,14 +130,14 @@ def _seaweedfs(weed: str, timeout: float) -> S3Server:
 def start_moto(*, timeout: float = 60.0, tries: int = 2) -> S3Server:
     """Starts moto's S3 server (``python -m moto.server``) on a free port; once more on a fresh
     port if it does not come up."""
+    return _tried(tries, lambda: _moto(timeout))
 
-    def once() -> S3Server:
-        folder = tempfile.mkdtemp(prefix="deltackpt-moto-")
-        port = free_ports(1)[0]
-        args = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-        return _started("moto", args, folder, f"http://127.0.0.1:{port}", timeout)
 
-    return _tried(tries, once)
+def _moto(timeout: float) -> S3Server:
+    folder = tempfile.mkdtemp(prefix="deltackpt-moto-")
+    port = free_ports(1)[0]
+    args = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    return _started("moto", args, folder, f"http://127.0.0.1:{port}", timeout)
 
 
 def _tried(tries: int, start: Callable[[], S3Server]) -> S3Server:
