@@ -109,6 +109,24 @@ def set_chunk(root: Path, step: int, key: str, name: str, data: bytes, part: int
     write_record(root, step, doc)
 
 
+def set_packed_chunk(root: Path, step: int, key: str, name: str, data: bytes, part: int = 0) -> None:
+    """Overwrites chunk ``name`` of a tensor's part where it lies in its pack (``data`` of the
+    chunk's size) and makes the record agree (the chunk's and the pack file's checksums)."""
+    doc = read_record(root, step)
+    p = doc["tensors"][key]["parts"][part]
+    size, _, offset = p["chunks"][name]
+    assert len(data) == size, (len(data), size)
+    files = doc["packs"][p["pack"]]
+    path = root / "steps" / doc["attempt"] / p["pack"] / "c.0"
+    pack = bytearray(path.read_bytes())
+    pack[offset:offset + size] = data
+    path.unlink()
+    path.write_bytes(bytes(pack))
+    p["chunks"][name] = [size, xxhash.xxh3_64_hexdigest(data), offset]
+    files["c.0"] = [len(pack), xxhash.xxh3_64_hexdigest(bytes(pack))]
+    write_record(root, step, doc)
+
+
 def cli(*args: str, timeout: float = RUN_SECONDS) -> subprocess.CompletedProcess[str]:
     """Runs ``python -m deltackpt ARGS`` in a child with a time limit; a run past it fails the
     calling test."""

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
     from numcodecs import Blosc
 
 from . import dtypes
+from .limits import coded_problem
 
 
 def group_doc(attributes: dict[str, Any] | None = None) -> bytes:
@@ -71,3 +73,23 @@ def codec_for(dtype: torch.dtype) -> Blosc | None:
     itemsize = torch.empty((), dtype=dtype).element_size()
     return Blosc(cname=dtypes.BLOSC_CNAME, clevel=dtypes.BLOSC_LEVEL, shuffle=Blosc.SHUFFLE,
                  typesize=itemsize, blocksize=0)
+
+
+def decode(data: np.ndarray, decoded: int) -> np.ndarray:
+    """The ``decoded`` bytes (uint8) that the blosc chunk ``data`` (uint8) holds: its header is
+    checked before anything is decompressed (:func:`~deltackpt.format.limits.coded_problem`),
+    then its body is decompressed into a buffer of exactly that size.
+
+    Raises:
+        ValueError: why the chunk does not decode to ``decoded`` bytes.
+    """
+    why = coded_problem(data, decoded)
+    if why is not None:
+        raise ValueError(why)
+    from numcodecs import blosc
+    out = np.empty(decoded, np.uint8)
+    try:
+        blosc.decompress(data, out)
+    except RuntimeError as e:  # a header that passed, a body that does not
+        raise ValueError(f"does not decode ({e})") from None
+    return out

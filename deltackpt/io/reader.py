@@ -24,9 +24,8 @@ from ..errors import IntegrityError
 from ..format import dtypes
 from ..format.encodings import Job
 from ..format.layout import chunk_key, chunk_path
-from ..format.limits import coded_problem
 from ..format.manifest import Manifest, PartRecord, TensorRecord
-from ..format.zarr_meta import codec_for
+from ..format.zarr_meta import decode
 from ..sharding import Box
 from ..storage import Storage
 from .cover import Covers
@@ -166,19 +165,14 @@ class ChainReader:
         buf = self._pool.acquire(size)
         try:
             fetch(self._storage, m, key, part, name, buf)
-            codec = None if uncoded else codec_for(dtype)
-            if codec is None:
+            if uncoded or not dtypes.compresses(dtype):
                 use(buf)
                 return
-            # The header says what it decodes to: check before decompressing (a small chunk
-            # with a matching checksum may decode to gigabytes).
-            why = coded_problem(buf.numpy(), decoded_bytes)
-            if why is not None:
-                raise IntegrityError(m.step, chunk_path(m, key, part, name), why)
-            raw = np.frombuffer(codec.decode(buf.numpy()), np.uint8)
-            if raw.nbytes != decoded_bytes:
-                raise IntegrityError(m.step, chunk_path(m, key, part, name), "decodes to a wrong size")
-            use(torch.from_numpy(raw.copy()))
+            try:
+                raw = decode(buf.numpy(), decoded_bytes)
+            except ValueError as e:
+                raise IntegrityError(m.step, chunk_path(m, key, part, name), str(e)) from None
+            use(torch.from_numpy(raw))
         finally:
             self._pool.release(buf)
 

@@ -1,8 +1,9 @@
 """Proving steps restorable without loading a model: chains, sizes and checksums of every chunk.
 
 Verify accepts no less than restore does: records are parsed as strictly (chunk sizes that fit
-their place in the grid), coded chunks must announce the decoded size their place holds, and a
-file that cannot be read at all is one more problem on the list, never the end of the run.
+their place in the grid), coded chunks must decode to the size their place holds, a delta's row
+ids must be sorted, unique and inside their part, and a file that cannot be read at all is one
+more problem on the list, never the end of the run.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import torch
 from ..errors import BrokenChainError, DeltackptError, IntegrityError, ManifestError, MissingChunkError
 from ..format.grid import chunk_bytes
 from ..format.layout import STEPS, chunk_path
-from ..format.limits import coded_problem
 from ..format.manifest import Manifest, PartRecord, TensorRecord
+from ..format.zarr_meta import decode
 from ..io.fetch import fetch, fetch_file_in_pieces, file_size, stored_size
+from ..io.reader import ChainReader
 from ..io.staging import StagingPool
 from ..storage import Storage
 from ..store import Store
@@ -85,7 +87,8 @@ def verify(
         except DeltackptError as e:
             report.problems.append(Problem(step, "record", "", str(e)))
             continue
-        report.problems += [p for p in _check_bounds(chain) if p not in report.problems]
+        report.problems += [p for p in _check_bounds(chain) + _check_shapes(chain)
+                            if p not in report.problems]
         for m in chain:
             if m.step not in checked:
                 checked[m.step] = _check_step(store, m, pool, executor, report, progress)
@@ -108,6 +111,21 @@ def _check_bounds(chain: list[Manifest]) -> list[Problem]:
                 problems.append(Problem(m.step, "record", key,
                                         f"chain bound {rec.lossy.chain_bound if rec.lossy else 0} is "
                                         f"below step {parent.step}'s {carried}"))
+    return problems
+
+
+def _check_shapes(chain: list[Manifest]) -> list[Problem]:
+    """Each tensor of the step is in its chain's base with the same dtype and shape (restore
+    reads the base's parts into a tensor of the step's)."""
+    base, head = chain[0], chain[-1]
+    problems = []
+    for key, rec in head.tensors.items():
+        held = base.tensors.get(key)
+        if held is None or (held.dtype, held.shape) != (rec.dtype, rec.shape):
+            problems.append(Problem(head.step, "record", key,
+                                    f"{key}: {rec.dtype} {list(rec.shape)} at step {head.step}, "
+                                    f"{'missing' if held is None else f'{held.dtype} {list(held.shape)}'}"
+                                    f" in its base, step {base.step}"))
     return problems
 
 
@@ -159,20 +177,44 @@ def _check_step(store: Store, m: Manifest, pool: StagingPool, executor: Executor
         report.bytes += size
         futures.append(executor.submit(check, path, sizer, read, pieces))
     found = [p for f in futures if (p := f.result()) is not None]
+    found += _check_ids(storage, m, pool, executor, {p.key for p in found})
     return sorted(found, key=lambda p: p.key)
+
+
+def _check_ids(storage: Storage, m: Manifest, pool: StagingPool, executor: Executor,
+               damaged: set[str]) -> list[Problem]:
+    """The row ids of each delta part whose ids chunks passed, read together as restore reads
+    them (sorted and unique across its chunks, inside the part), one part at a time (a part's
+    ids are 8 bytes a row)."""
+    found = []
+    for key, rec in m.tensors.items():
+        for part in rec.parts if rec.encoding.claims == "rows" else ():
+            where = chunk_path(m, key, part, "ids")
+            if not part.changed or any(d.startswith(f"{where}/") for d in damaged):
+                continue
+            try:
+                ChainReader(storage, [m], pool, executor).ids(m, key, part)
+            except IntegrityError as e:
+                found.append(Problem(m.step, "corrupt", e.key, str(e)))
+            except DeltackptError as e:
+                found.append(Problem(m.step, "unreadable", where, str(e)))
+    return found
 
 
 def _fetch_decodable(storage: Storage, m: Manifest, key: str, rec: TensorRecord, part: PartRecord, name: str,
                      into: torch.Tensor) -> None:
-    """Reads and checks a chunk as :func:`fetch` does; a coded one must also announce the
-    decoded size that its place in the grid holds (restore refuses it otherwise), and the
-    chunk must pass its encoding's own checks."""
+    """Reads and checks a chunk as :func:`fetch` does; a coded one must also decode to the size
+    that its place in the grid holds, as restore decodes it, and the chunk (decoded) must pass
+    its encoding's own checks."""
     fetch(storage, m, key, part, name, into)
     if name == "zarr.json":
         return
     decoded, coded = chunk_bytes(rec, part, name)
-    why = coded_problem(into.numpy(), decoded) if coded else None
-    why = why or rec.encoding.verify_chunk(rec, part, name, into)
+    try:
+        data = torch.from_numpy(decode(into.numpy(), decoded)) if coded else into
+    except ValueError as e:
+        raise IntegrityError(m.step, chunk_path(m, key, part, name), str(e)) from None
+    why = rec.encoding.verify_chunk(rec, part, name, data)
     if why is not None:
         raise IntegrityError(m.step, chunk_path(m, key, part, name), why)
 

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 from hostile import (chunk_file, cli, exit_code, one_line_error, python, read_record, record_path,
-                     set_chunk, snapshot, write_record)
+                     set_chunk, set_packed_chunk, snapshot, write_record)
 from numcodecs import Blosc
 
-from deltackpt import (Checkpointer, DeltackptError, LocalStorage, ManifestError, Retention,
-                       StateError, StoreError)
+from deltackpt import (Checkpointer, DeltackptError, IntegrityError, LocalStorage, ManifestError,
+                       Retention, StateError, StoreError)
 
 ROWS = 64
 
@@ -252,6 +252,47 @@ def test_blosc_bomb_with_a_matching_checksum_is_not_decompressed(store, decoded)
     assert out[0].startswith("IntegrityError" if small else "ManifestError") and "ids" in out[0], out
     assert int(out[1].split()[1]) < 64 * 1024, out  # far less than 1 GiB
     assert out[2] == ("verify ['corrupt']" if small else "verify ['record']"), out
+
+
+def test_coded_chunk_whose_body_does_not_decode_is_corrupt(store):
+    """A blosc chunk of ``ids`` with a sound header and a damaged body (its checksum matching)
+    fails as corrupt, on every path that reads it, not with the codec's own error."""
+    codec = Blosc(cname="lz4", clevel=5, shuffle=Blosc.SHUFFLE, typesize=8, blocksize=0)
+    coded = bytearray(codec.encode(np.arange(16, dtype=np.int64).view(np.uint8)))
+    coded[16] ^= 0xFF  # the first byte after the 16-byte header
+    with pytest.raises(RuntimeError):
+        codec.decode(bytes(coded))
+    set_chunk(store, 0, "ids", "c.0", bytes(coded))
+    with Checkpointer(store, create=False) as ckpt:
+        with pytest.raises(IntegrityError, match="ids/c.0 is corrupt: does not decode"):
+            ckpt.load(0)
+        with pytest.raises(IntegrityError, match="does not decode"):
+            ckpt.restore(state(0), 0)
+        assert [p.kind for p in ckpt.verify(0).problems] == ["corrupt"]
+
+
+def test_verify_refuses_the_row_ids_restore_refuses(store):
+    """A delta's id past its part's last row, checksums matching (the part of ``table`` at step
+    1 holds one changed row): restore refuses it, and so does verify, naming the ids."""
+    codec = Blosc(cname="lz4", clevel=5, shuffle=Blosc.SHUFFLE, typesize=8, blocksize=0)
+    set_packed_chunk(store, 1, "table", "ids/c.0", bytes(codec.encode(np.array([ROWS], np.int64))))
+    with Checkpointer(store, create=False) as ckpt:
+        with pytest.raises(IntegrityError, match="row ids outside the part"):
+            ckpt.load(1)
+        problems = ckpt.verify(1).problems
+    assert [(p.kind, p.key.rsplit("/", 2)[-2:]) for p in problems] == [("corrupt", ["table", "ids"])]
+
+
+def test_verify_refuses_a_delta_whose_tensor_shape_differs_from_its_base(store):
+    doc = read_record(store, 1)
+    doc["tensors"]["table"]["shape"] = [ROWS, 16]  # its base's is [ROWS, 8]
+    write_record(store, 1, doc)
+    with Checkpointer(store, create=False) as ckpt:
+        with pytest.raises(IntegrityError, match="shape differs along the chain"):
+            ckpt.load(1)
+        problems = ckpt.verify(1).problems
+    assert [(p.kind, p.key) for p in problems] == [("record", "table")], problems
+    assert "[64, 16] at step 1, float32 [64, 8] in its base, step 0" in problems[0].detail
 
 
 @pytest.mark.parametrize("where", ["record", "chunk"])

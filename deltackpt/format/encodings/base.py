@@ -244,8 +244,8 @@ class Encoding(abc.ABC):
         return torch.arange(part.offset[0], part.offset[0] + part.shape[0]), dest
 
     def verify_chunk(self, rec: TensorRecord, part: PartRecord, name: str, buf: torch.Tensor) -> str | None:
-        """What ``verify`` finds wrong in chunk ``name`` (its checked stored bytes in ``buf``)
-        beyond its size and checksum (None: nothing)."""
+        """What ``verify`` finds wrong in chunk ``name`` (its checked bytes, decoded if coded, in
+        ``buf``) beyond its size and checksum (None: nothing)."""
         return None
 
 
