@@ -79,7 +79,7 @@ class Checkpointer:
         create: create the store if absent; if False, a missing store raises StoreError.
         take_over: take the writer lease found now at the first save, even if its holder looks
             alive or it is unreadable; a dead holder's is taken anyway (:mod:`deltackpt.ops.lease`).
-        lease_ttl: seconds after which the lease of a writer that stopped renewing it is free.
+        lease_ttl: seconds (at most 3600) without a renewal after which a writer's lease is free.
         storage_options: settings for the backend ``path`` names (see
             :func:`~deltackpt.storage.open_storage`).
         quantize: opt-in lossy deltas, ``{fnmatch pattern: Rowwise(...)}`` (:mod:`.quantization`).

@@ -50,6 +50,9 @@ from ..format.layout import LEASE
 log = logging.getLogger(__name__)
 
 DEFAULT_TTL = 30.0
+MAX_TTL = 3600.0
+"""The longest ttl a lease may have: a writer waits up to one ttl for another's lease, so a lease
+file claiming more (damaged or hostile) is unreadable rather than a wait without end."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ class Lease:
                           None if doc.get("attempt") is None else str(doc["attempt"]))
         except (ValueError, KeyError, TypeError, IndexError, RecursionError):
             raise ValueError("not a lease") from None
-        if not all(math.isfinite(x) for x in (lease.since, lease.renewed, lease.ttl)):
+        if not all(math.isfinite(x) for x in (lease.since, lease.renewed)) or not 0 < lease.ttl <= MAX_TTL:
             raise ValueError("not a lease")
         return lease
 
@@ -113,13 +116,14 @@ class Lease:
 
 
 def check_ttl(ttl: float) -> float:
-    """``ttl`` as a float, if it is a positive finite number of seconds.
+    """``ttl`` as a float, if it is a number of seconds in ``(0, MAX_TTL]``.
 
     Raises:
         SettingError: it is not.
     """
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) or ttl <= 0:
-        raise SettingError(f"lease_ttl must be a positive finite number of seconds, got {ttl!r}")
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_TTL:
+        raise SettingError(f"lease_ttl must be a number of seconds above 0 and at most {MAX_TTL:g}, "
+                           f"got {ttl!r}")
     return float(ttl)
 
 
@@ -220,7 +224,7 @@ class Claim:
         take_over: replace the lease found now (read here), alive or not, and no later one.
 
     Raises:
-        SettingError: ``ttl`` is not a positive finite number.
+        SettingError: ``ttl`` is not in ``(0, MAX_TTL]``.
     """
 
     def __init__(self, storage: Storage, *, ttl: float, take_over: bool):
@@ -293,6 +297,9 @@ def acquire(storage: Storage, *, ttl: float, take_over: bool,
                 raise _held(storage, current)  # a live checkpointer of this very process
             if watched is None:
                 watched = (raw, time.monotonic() + current.ttl)
+                log.warning("the writer lease of %s is held by %s: waiting up to %g s for a "
+                            "renewal that proves its holder alive", storage.url, current.describe(now),
+                            current.ttl)
             if raw != watched[0]:
                 raise _held(storage, current)  # renewed while we watched: its holder lives
             if time.monotonic() < watched[1]:

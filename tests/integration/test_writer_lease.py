@@ -18,8 +18,10 @@ import torch
 import lease_procs
 from deltackpt import Checkpointer, StepExistsError, WriterConflictError
 from deltackpt.ops import lease
+from deltackpt.storage import open_storage
 from faults import state_at
 from helpers import assert_same_state
+from hostile import exit_code, python
 from lease_procs import Pause, go, result, wait_paused
 
 RACERS = 8
@@ -231,3 +233,33 @@ def test_garbage_lease_is_replaced_only_with_take_over(tmp_path):
         with Checkpointer(path, create=False) as ckpt:
             assert ckpt.steps() == [1, 2]
         os.remove(Path(path, "commits", f"{2:020d}.json"))
+
+
+@pytest.mark.parametrize("ttl", [1e300, 3601.0, 0.0, -1.0])
+def test_lease_with_a_ttl_out_of_range_is_unreadable(tmp_path, ttl):
+    """A live-looking lease from another host is watched for its ttl: one claiming more than
+    an hour (damaged or hostile) would hold the next save for that long, and one of no time
+    makes no sense. Either is unreadable: the save fails at once, and take_over replaces it."""
+    path = str(tmp_path / "s")
+    seed(path, 1)
+    now = time.time()
+    doc = {"holder": "elsewhere:4242:abcd", "epoch": 3, "since": now, "renewed": now, "ttl": ttl}
+    Path(path, "writer.lease").write_text(json.dumps(doc))
+    assert lease.read(open_storage(path))[1] is None
+    code = ("import time, torch\n"
+            "from deltackpt import Checkpointer, WriterConflictError\n"
+            f"ckpt = Checkpointer({path!r})\n"
+            "t0 = time.monotonic()\n"
+            "try:\n"
+            "    ckpt.save(2, {'t': torch.zeros(3)})\n"
+            "except WriterConflictError as e:\n"
+            "    print(round(time.monotonic() - t0), e)\n"
+            "ckpt.close()\n")
+    proc = python(code, timeout=60)  # a hang fails the test
+    assert exit_code(proc) == 0, proc.stderr[-2000:]
+    seconds, message = proc.stdout.split(" ", 1)
+    assert int(seconds) < 5 and "writer.lease is unreadable" in message, proc.stdout
+    with Checkpointer(path, take_over=True, **lease_procs.SMALL) as ckpt:
+        ckpt.restore(state_at(1))
+        ckpt.save(2, state_at(2))
+    check_steps(path, [1, 2])
