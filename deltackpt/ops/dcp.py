@@ -151,14 +151,23 @@ def read_dcp(folder: str) -> dict[str, Any]:
     qualified name where it records none), every tensor whole on the CPU.
 
     Raises:
-        ConvertError: the folder is not a DCP checkpoint this reader understands.
+        ConvertError: the folder is not a DCP checkpoint this reader understands, or is damaged.
     """
-    md, fs = _dcp()
     try:
-        with open(os.path.join(folder, METADATA), "rb") as f:
-            meta = _MetadataUnpickler(f).load()
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
-        raise ConvertError(f"{folder}: cannot read DCP metadata ({e})") from None
+        return _read_dcp(folder)
+    except ConvertError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of an untrusted folder is one error
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConvertError(f"{folder}: not a DCP checkpoint this reader understands "
+                           f"({type(e).__name__}: {why:.200})") from None
+
+
+def _read_dcp(folder: str) -> dict[str, Any]:
+    md, fs = _dcp()
+    with open(os.path.join(folder, METADATA), "rb") as f:
+        data = f.read()  # unpickled from memory: a length in it never sizes a read of the file
+    meta = _MetadataUnpickler(io.BytesIO(data)).load()
     if not isinstance(meta, md.Metadata) or not isinstance(meta.storage_data, dict):
         raise ConvertError(f"{folder}: {METADATA} is not DCP metadata")
     flat: dict[str, Any] = {}

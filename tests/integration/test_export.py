@@ -185,6 +185,32 @@ def test_exported_dcp_loads_into_a_two_rank_sharded_template(tmp_path, world_siz
                               str(tmp_path / "want.pt"))) == [0, 1]
 
 
+@pytest.mark.parametrize("damage", ["no state_dict_metadata", "item bytes", "huge length"])
+def test_import_of_a_damaged_dcp_folder_is_one_convert_error(tmp_path, damage):
+    """Whatever is wrong in a DCP folder (an attribute its metadata lacks, an item that is no
+    torch.save blob, a pickle claiming 2^60 bytes) is a ConvertError naming the folder."""
+    import pickle
+    import struct
+
+    from deltackpt.ops.dcp import read_dcp
+
+    build_chain(tmp_path / "s")
+    deltackpt.export(tmp_path / "s", 1, "dcp", tmp_path / "dcp")
+    meta_path = tmp_path / "dcp" / ".metadata"
+    if damage == "no state_dict_metadata":
+        meta = pickle.loads(meta_path.read_bytes())
+        del meta.state_dict_metadata
+        meta_path.write_bytes(pickle.dumps(meta))
+    elif damage == "item bytes":
+        item = tmp_path / "dcp" / "__0_0.distcp"
+        item.write_bytes(bytes(64) + item.read_bytes()[64:])
+    else:
+        meta_path.write_bytes(b"\x80\x05\x8e" + struct.pack("<Q", 1 << 60) + b"x")
+    with pytest.raises(ConvertError, match="not a DCP checkpoint this reader understands") as e:
+        read_dcp(str(tmp_path / "dcp"))
+    assert str(tmp_path / "dcp") in str(e.value) and "\n" not in str(e.value)
+
+
 def test_import_refuses_dcp_metadata_that_runs_code_or_claims_too_much(tmp_path):
     import pickle
 
