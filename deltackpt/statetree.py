@@ -36,7 +36,8 @@ class FlatState:
         sources: the live plain real tensor (``torch.Tensor`` or ``Parameter``) each shard views, by
             key: what a later :func:`flatten` with ``reuse`` recognises.
         reused: how many shards that :func:`flatten` took from ``reuse``.
-        strided: the keys of the shards that are not contiguous.
+        strided: the keys of the shards whose bytes are not their values in order (not
+            contiguous, or a conjugate or negative view): a save copies them first.
         dicts: each mapping's keys, their paths and its node, by path: what a later
             :func:`flatten` with ``reuse`` keeps when it finds them again.
     """
@@ -210,7 +211,7 @@ def _node(obj: Any, path: str, out: _Flattening, depth: int, last: dict[str, Any
             shard = Shard(found.local.detach(), global_shape=found.global_shape, global_offset=found.global_offset)
         if shard.local.layout != torch.strided:
             raise StateError(f"{path}: only dense (strided) tensors are supported, got {shard.local.layout}")
-        if not shard.local.is_contiguous():
+        if not shard.local.is_contiguous() or shard.local.is_conj() or shard.local.is_neg():
             out.strided.add(path)
         tensors[path] = shard
         return {"tensor": path}

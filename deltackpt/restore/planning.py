@@ -195,7 +195,8 @@ def _group_sizes(node: dict[str, Any]) -> list[int] | None:
 def fill(plan: RestorePlan, m: Manifest, reader: ChainReader,
          hashed: Collection[str] = ()) -> dict[str, torch.Tensor]:
     """Reads every tensor the plan covers (targets in place, through a temporary when not a
-    contiguous CPU tensor), then runs the plan's finishing steps.
+    contiguous CPU tensor whose bytes are its values: a conjugate or negative view's are not),
+    then runs the plan's finishing steps.
 
     Returns:
         For each target in ``hashed``, the hash of every row of its local tensor, taken by the
@@ -213,7 +214,8 @@ def fill(plan: RestorePlan, m: Manifest, reader: ChainReader,
             final[key] = dest
             continue
         local = target.local
-        direct = local.device.type == "cpu" and local.is_contiguous()
+        direct = (local.device.type == "cpu" and local.is_contiguous()
+                  and not (local.is_conj() or local.is_neg()))
         dest = local if direct else torch.empty(local.shape, dtype=local.dtype)
         rows = RowHashes.of(dest.shape[0]) if key in hashed and dest.dim() else None
         reader.read(key, dest, target.box, rows)

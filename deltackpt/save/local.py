@@ -30,11 +30,13 @@ def plan_local(step: int, state: Mapping[str, Any], rank: int, sizes: tuple[int,
     if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
         raise StepExistsError(f"step must be an int in [0, {MAX_STEP}], got {step!r}")
     flat = statetree.flatten(state, reuse=None if last is None else last.flat)
-    # A non-contiguous tensor is copied now, so its copy is never taken from ``last``.
+    # A tensor whose bytes are not its values in order is copied now (its conjugate or negative
+    # bit applied), so its copy is never taken from ``last``.
     shards = dict(flat.tensors)
     for k in flat.strided:
         s = shards[k]
-        shards[k] = Shard(s.local.contiguous(), global_shape=s.global_shape, global_offset=s.global_offset)
+        local = s.local.resolve_conj().resolve_neg().contiguous()
+        shards[k] = Shard(local, global_shape=s.global_shape, global_offset=s.global_offset)
     # Every tensor the same as last time, and a skeleton of the same bytes (pickle tells 1 from
     # 1.0 and 0.0 from -0.0, which == does not; flatten keeps a node that flattens the same):
     # the same plan.
