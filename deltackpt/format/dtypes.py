@@ -1,7 +1,7 @@
 """How torch dtypes are stored as zarr v3 data types.
 
-Dtypes zarr v3 knows are stored natively. The others (bfloat16, the float8 family) are stored as
-unsigned integers of the same width; the array's ``torch_dtype`` attribute, written for every
+Dtypes zarr v3 knows are stored natively. The others (bfloat16, the float8 family, the packed
+float4 pairs of ``float4_e2m1fn_x2``) are stored as unsigned integers of the same width; the array's ``torch_dtype`` attribute, written for every
 array, names the real dtype so the bits are reinterpreted on load, never converted.
 """
 
@@ -29,7 +29,8 @@ _NATIVE = {
 }
 _AS_BITS = {torch.bfloat16: "uint16"} | {
     getattr(torch, name): "uint8"
-    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+                 "float4_e2m1fn_x2")
     if hasattr(torch, name)
 }
 _BY_NAME = {str(dt).removeprefix("torch."): dt for dt in (*_NATIVE, *_AS_BITS)}
