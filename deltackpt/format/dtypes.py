@@ -1,8 +1,9 @@
 """How torch dtypes are stored as zarr v3 data types.
 
 Dtypes zarr v3 knows are stored natively. The others (bfloat16, the float8 family, the packed
-float4 pairs of ``float4_e2m1fn_x2``) are stored as unsigned integers of the same width; the array's ``torch_dtype`` attribute, written for every
-array, names the real dtype so the bits are reinterpreted on load, never converted.
+float4 pairs of ``float4_e2m1fn_x2``) are stored as unsigned integers of the same width; the
+array's ``torch_dtype`` attribute, written for every array, names the real dtype so the bits are
+reinterpreted on load, never converted.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_same_state
+from helpers import assert_same_state, same_bits
 
 from deltackpt import Checkpointer, StateError, StepExistsError
+from deltackpt.format import dtypes
 
 
 @pytest.mark.parametrize("shape", [(0,), (0, 4), (0, 3, 2), (5, 0), (2, 0, 3)])
@@ -107,3 +108,55 @@ def test_mark_refuses_ids_past_the_table_before_its_first_save(store_path):
         ckpt.save(0, {"table": table})
         with pytest.raises(StateError, match="-3"):
             ckpt.mark("table", torch.tensor([-3]))
+
+
+def random_bits(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """A tensor of ``dtype`` whose bytes are random (0 or 1 for bool): NaN payloads included."""
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * itemsize), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype)
+
+
+@pytest.mark.parametrize("name", sorted(dtypes.NAMES))
+def test_every_dtype_saves_deltas_and_restores_bit_for_bit(store_path, name):
+    dtype = dtypes.from_name(name)
+    gen = torch.Generator().manual_seed(0)
+    state = {"rows": random_bits((40, 6), dtype, gen), "flat": random_bits((300,), dtype, gen)}
+    saved = []
+    with Checkpointer(store_path, dense_chunk_bytes=64) as ckpt:
+        ckpt.save(0, state)
+        saved.append({k: t.clone() for k, t in state.items()})
+        for row in (3, 17):  # one at a time: index_put is not implemented for every dtype
+            state["rows"][row] = random_bits((6,), dtype, gen)
+        state["flat"][100:110] = random_bits((10,), dtype, gen)
+        assert ckpt.save(1, state).kind == "delta"
+        saved.append({k: t.clone() for k, t in state.items()})
+        for step, want in enumerate(saved):
+            got = ckpt.load(step)
+            assert all(same_bits(got[k], want[k]) for k in want), (name, step)
+        target = {k: torch.zeros_like(t) for k, t in state.items()}
+        ckpt.restore(target, 0)
+        assert all(same_bits(target[k], saved[0][k]) for k in target), name
+
+
+def test_conjugate_and_negative_views_save_and_restore_their_values(store_path):
+    """A conjugate view's bytes are its base's, not its values (so are a negative view's, the
+    imaginary part of a conjugate): saves store values, and a restore into such views writes
+    values, for bases and deltas."""
+    base = torch.randn(6, 3, dtype=torch.complex64)
+    state = {"conj": base.conj(), "neg": torch.randn(5, 2, dtype=torch.complex64).conj().imag}
+    assert state["conj"].is_conj() and state["neg"].is_neg()
+    with Checkpointer(store_path) as ckpt:
+        ckpt.save(0, state)
+        base[2, 1] += 1 + 2j
+        assert ckpt.save(1, state).kind == "delta"
+        for step in (0, 1):
+            got = ckpt.load(step)
+            assert not got["conj"].is_conj() and not got["neg"].is_neg()
+        assert torch.equal(got["conj"], state["conj"]) and torch.equal(got["neg"], state["neg"])
+        target = {"conj": torch.zeros(6, 3, dtype=torch.complex64).conj(),
+                  "neg": torch.zeros(5, 2, dtype=torch.complex64).conj().imag}
+        ckpt.restore(target, 1)
+        assert torch.equal(target["conj"], state["conj"]) and torch.equal(target["neg"], state["neg"])
