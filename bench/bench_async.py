@@ -16,13 +16,14 @@ checkpointer tracks the tables, so a delta writes the rows training marked. The 
   background  the same with ``blocking=False``: the blocked time (the call), the time to commit
               (``SaveInfo.seconds``), the host memory the first base added (peak resident memory
               above the resident memory before the call, ``VmHWM`` after ``clear_refs``)
-  beside      a background base and delta again, with training steps run one after another
-              while each finishes behind them: their mean time (the training's pace, slow
-              steps and all), and the time to commit (the buffers of the rounds before, left
-              in the reserve: a job's steady state)
-  bare writer training steps beside a thread that only writes as many bytes as that base and
-              that delta wrote (a fresh file, O_DIRECT from one aligned buffer, fsync): the
-              least any background writer of those bytes costs the training on this machine
+  beside      a background base and ``DELTAS_BESIDE`` deltas again, with training steps run one
+              after another while each finishes behind them: their mean time per save (the
+              training's pace, slow steps and all), and the time to commit (the buffers of the
+              rounds before, left in the reserve: a job's steady state)
+  bare writer training steps beside a thread that only writes as many bytes as that base (once)
+              and the last delta (``DELTAS_BESIDE`` times) wrote (a fresh file, O_DIRECT from
+              one aligned buffer, fsync): the least any background writer of those bytes costs
+              the training on this machine
   alone       ``--steps`` training steps with no save running, their mean time
   DCP         ``async_save`` (default stager) of the same state after the base's and after the
               delta's training step (DCP has no deltas: both are full saves): blocked until its
@@ -72,6 +73,7 @@ from common import cpu_seconds, direct_bandwidth, figure, json_option, others_cp
 
 MiB = 1 << 20
 AUDITS = 8  # the audits part's deltas, and its audit_every
+DELTAS_BESIDE = 4  # background deltas a round with training beside them (and bare writers of their bytes)
 QUICK = {"tables": 4, "rows": 65_536, "dim": 64, "steps": 5}
 
 
@@ -252,10 +254,10 @@ def main() -> None:
         step = 100 * r
         def base_then_delta(name: str, labels: tuple[str, ...],
                             save: Callable[[Checkpointer, str, int], None]) -> None:
-            """A base, then after a training step each a delta (and a later base, for a third
-            label), each saved by ``save(ckpt, label, step)`` into a fresh store of its own."""
+            """A base, then after a training step each a delta (or a later base, for the label
+            "later base"), each saved by ``save(ckpt, label, step)`` into a fresh store of its own."""
             path = os.path.join(root, f"r{r}-{name}")
-            with Checkpointer(path, base_every=2 if len(labels) > 2 else 1000, memory_budget=budget,
+            with Checkpointer(path, base_every=2 if "later base" in labels else 1000, memory_budget=budget,
                               threads=args.save_threads) as ckpt:
                 ckpt.track(model, prefix="model", optimizer=opt)
                 for i, what in enumerate(labels):
@@ -290,11 +292,13 @@ def main() -> None:
             base_then_delta(name, ("base", "1% delta", "later base"), save)
         # Training beside the saves (its steps would grow the delta above, so apart from it).
         written: dict[str, int] = {}
-        base_then_delta("beside", ("base", "delta"), beside)
+        # A delta finishes within a step or two: DELTAS_BESIDE of them a round, each a sample.
+        base_then_delta("beside", ("base", *["delta"] * DELTAS_BESIDE), beside)
         for what, size in written.items():  # the machine's floor: beside a bare writer of as many bytes
-            steps, gbps = beside_writer(root, size, train)
-            note(f"train step beside a bare writer of the {what}'s bytes ms", 1000 * statistics.mean(steps))
-            note(f"bare writer of the {what}'s bytes, training beside: GB/s", gbps)
+            for _ in range(1 if what == "base" else DELTAS_BESIDE):
+                steps, gbps = beside_writer(root, size, train)
+                note(f"train step beside a bare writer of the {what}'s bytes ms", 1000 * statistics.mean(steps))
+                note(f"bare writer of the {what}'s bytes, training beside: GB/s", gbps)
         note("train step alone ms", 1000 * statistics.mean(timed(train, args.steps)))
         if have_dcp:
             dcp_save("base", os.path.join(root, f"dcp{r}-base"))
