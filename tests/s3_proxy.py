@@ -29,8 +29,10 @@ class Fault:
     Attributes:
         action: ``"drop"`` (read half the body, then reset the connection), ``"drop_answer"``
             (forward the request, then reset the connection instead of answering), ``"drop_body"``
-            (reset the connection after half of the answer's body), ``"status"``
-            (answer ``status`` with an S3 error document), or ``"fake_ok"`` (answer 200 without
+            (reset the connection after half of the answer's body), ``"long_body"`` and
+            ``"short_body"`` (answer with 8 bytes more or fewer than the server's body, the
+            length saying so: a server that breaks the range asked), ``"status"`` (answer
+            ``status`` with an S3 error document), or ``"fake_ok"`` (answer 200 without
             forwarding).
         method: the HTTP method to match ("" for any).
         path: a regular expression searched in the path and query ("" for any).
@@ -136,7 +138,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._reset()
             return
         body = self.rfile.read(length) if length else b""
-        if fault is not None and fault.action not in ("drop_answer", "drop_body"):
+        if fault is not None and fault.action not in ("drop_answer", "drop_body", "long_body", "short_body"):
             self.owner._record(Exchange(self.command, self.path, length, 0, fault.action))
             if fault.action == "fake_ok":
                 self._answer(200, b"", {"ETag": '"00000000000000000000000000000000"'})
@@ -167,6 +169,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self.owner._record(Exchange(self.command, self.path, length, 0, "drop_answer"))
                 self._reset()
                 return
+            if fault is not None and fault.action in ("long_body", "short_body"):
+                data = data + bytes(8) if fault.action == "long_body" else data[:-8]
             dropped = ("transfer-encoding", "connection")
             if self.command != "HEAD":  # a HEAD's length is the object's, not of an empty body
                 dropped += ("content-length",)

@@ -151,12 +151,20 @@ class S3Storage(Storage):
             # call, which is then retried.
             result = self._obs.get(self._store, self._root + key,
                                    options={"range": (offset, offset + len(out))})
+            size = int(result.meta["size"])
+            want = max(0, min(len(out), size - offset))
             done = 0
             for piece in result:
                 n = len(piece)
+                if done + n > want:
+                    raise StoreError(errno.EIO, f"read {self.url}/{key}: the server answered more "
+                                                f"than the {want} bytes asked at {offset}")
                 out[done: done + n] = memoryview(piece)
                 done += n
-            return int(result.meta["size"])
+            if done != want:
+                raise StoreError(errno.EIO, f"read {self.url}/{key}: the server answered {done} of "
+                                            f"the {want} bytes asked at {offset}")
+            return size
 
         try:
             return int(self._call("read", key, fetch))

@@ -188,6 +188,20 @@ def test_reads_survive_errors_and_retries_end_at_the_deadline(s3_server, proxy):
     assert time.monotonic() - start < 3 + 10
 
 
+@pytest.mark.parametrize("fault", ["long_body", "short_body"])
+def test_a_ranged_read_the_server_answers_with_other_bytes_is_a_store_error(s3_server, proxy, fault):
+    """A server that answers a range with more bytes than asked (they would overrun the
+    buffer) or fewer (part of it left as it was) fails the read, naming the bytes."""
+    storage = _through(proxy, s3_server)
+    storage.write("steps/c", [memoryview(bytes(range(100)))])
+    proxy.add(Fault(fault, method="GET", header="Range"))
+    out = bytearray(20)
+    said = "answered more than the 20 bytes" if fault == "long_body" else "answered 12 of the 20 bytes"
+    with pytest.raises(StoreError, match=f"read s3://.*/steps/c: the server {said}.* at 10"):
+        storage.read_into("steps/c", memoryview(out), 10)
+    assert storage.read_into("steps/c", memoryview(out), 10) == 100 and bytes(out) == bytes(range(10, 30))
+
+
 def test_swap_replaces_and_removes_only_what_it_expects(s3_url, s3_options, proxy, s3_server):
     storage = open_storage(s3_url, s3_options)
     assert storage.swap("writer.lease", None, b"a")
