@@ -92,9 +92,15 @@ class _Flattening:
         return last if last is not None and last.get("tensor") == path else {"tensor": path}
 
 
+def plain_key(k: str | int) -> str | int:
+    """A dict key as the plain str or int it equals: an enum key's value (``str()`` of a
+    ``(str, Enum)`` member gives its name, and a pickled one needs its class to load)."""
+    return str.__str__(k) if isinstance(k, str) else int.__int__(k)
+
+
 def key_part(k: str | int) -> str:
     """One path component of a flat key; ``/`` and ``%`` are escaped so keys split unambiguously."""
-    return str(k).replace("%", "%25").replace("/", "%2F")
+    return str(plain_key(k)).replace("%", "%25").replace("/", "%2F")
 
 
 def child_key(path: str, *names: str | int) -> str:
@@ -267,7 +273,7 @@ def _mapping(obj: Mapping[Any, Any], path: str, out: _Flattening, depth: int) ->
         children = [out.again(v, p, old) or _node(v, p, out, depth + 1, old)
                     for v, p, old in zip(obj.values(), paths, olds)]
         if not all(map(operator.is_, children, olds)):
-            node = {"dict": [[k, c] for k, c in zip(keys, children)]}
+            node = {"dict": [[plain_key(k), c] for k, c in zip(keys, children)]}
         out.dicts[path] = (keys, paths, node)
         return node
     paths = []
@@ -277,7 +283,8 @@ def _mapping(obj: Mapping[Any, Any], path: str, out: _Flattening, depth: int) ->
         if isinstance(k, str) and has_surrogate(k):
             raise StateError(f"{path or '<root>'}: key {k!r} holds a lone surrogate (not UTF-8)")
         paths.append(child_key(path, k))
-    node = {"dict": [[k, _node(v, p, out, depth + 1, None)] for k, v, p in zip(keys, obj.values(), paths)]}
+    node = {"dict": [[plain_key(k), _node(v, p, out, depth + 1, None)]
+                     for k, v, p in zip(keys, obj.values(), paths)]}
     out.dicts[path] = (keys, paths, node)
     return node
 

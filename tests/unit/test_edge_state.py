@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import enum
+
 import pytest
 import torch
 from helpers import assert_same_state, same_bits
@@ -160,3 +162,30 @@ def test_conjugate_and_negative_views_save_and_restore_their_values(store_path):
                   "neg": torch.zeros(5, 2, dtype=torch.complex64).conj().imag}
         ckpt.restore(target, 1)
         assert torch.equal(target["conj"], state["conj"]) and torch.equal(target["neg"], state["neg"])
+
+
+class Color(str, enum.Enum):
+    RED = "red"
+
+
+class Slot(enum.IntEnum):
+    FIRST = 1
+
+
+def test_enum_and_str_subclass_keys_are_their_plain_values(store_path):
+    """Keys that are str or int subclasses (enum members, a local subclass pickle cannot name)
+    are saved as the plain str or int they equal: ``str()`` of a ``(str, Enum)`` member is its
+    name, not its value, and the value is what a plain dict of the same state holds."""
+    Local = type("Local", (str,), {})
+    state = {Color.RED: torch.ones(2), Slot.FIRST: {Local("x"): torch.arange(3.0)}}
+    with Checkpointer(store_path) as ckpt:
+        ckpt.save(0, state)
+        state[Color.RED] += 1
+        assert ckpt.save(1, state).kind == "delta"
+        got = ckpt.load(1)
+        assert [type(k) for k in got] == [str, int] and [type(k) for k in got[1]] == [str]
+        assert_same_state(got, {"red": torch.full((2,), 2.0), 1: {"x": torch.arange(3.0)}})
+        for keys in ((Color.RED, Slot.FIRST, Local("x")), ("red", 1, "x")):
+            target = {keys[0]: torch.zeros(2), keys[1]: {keys[2]: torch.zeros(3)}}
+            ckpt.restore(target, 1)
+            assert_same_state(target, got)
