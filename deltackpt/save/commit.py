@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..collector import paused
-from ..errors import StateError, StepExistsError, WriterConflictError
+from ..errors import StateError, StepExistsError, StoreError, WriterConflictError
 from ..format import dtypes
 from ..format.encodings import choose, in_pack
 from ..format.layout import commit_key, pack_name
@@ -321,6 +321,7 @@ def commit(store: Store, save: SavePlan, plan: GlobalPlan, written: Sequence[Wri
         WriterConflictError: another writer took the lease over (the record is withdrawn unless
             the new holder builds on it, see :func:`withdraw`).
         StepExistsError: another writer committed the step meanwhile.
+        StoreError: creating the record failed (it is removed if it stands, see :func:`_take_back`).
     """
     made = _root(save, plan, written, head=head, world_size=world_size,
                  policy={"name": policy, "decision": str(save.kind), "reason": save.reason},
@@ -329,7 +330,11 @@ def commit(store: Store, save: SavePlan, plan: GlobalPlan, written: Sequence[Wri
     if lease is None:
         raise StepExistsError(f"step {save.step}: the coordinator holds no writer lease")
     lease.check()
-    manifest = store.commit_root(save.step, root, parsed=made.parsed(store))
+    try:
+        manifest = store.commit_root(save.step, root, parsed=made.parsed(store))
+    except StoreError as e:
+        _take_back(store, made.m, root, lease, e)
+        raise
     if manifest is None:
         lease.check()
         raise StepExistsError(f"step {save.step} was committed by another writer meanwhile")
@@ -343,6 +348,23 @@ def commit(store: Store, save: SavePlan, plan: GlobalPlan, written: Sequence[Wri
         store.withdraw(manifest.step)  # the parent went after decide looked (a fenced writer's)
         return None
     return manifest
+
+
+def _take_back(store: Store, manifest: Manifest, root: bytes, lease: Holding, error: StoreError) -> None:
+    """After creating the record raised: removes it where it stands all the same (its folder's
+    sync failed once it was linked, or an object store's answer was lost once it was stored), so
+    that a save that raises commits nothing (if another writer took the lease over meanwhile,
+    as :func:`withdraw` does). Where that fails too, ``error`` says so."""
+    try:
+        if store.holds(manifest.step, manifest.attempt):
+            try:
+                lease.check()
+            except WriterConflictError:
+                withdraw(store, manifest, root)
+            else:
+                store.withdraw(manifest.step)
+    except StoreError as again:
+        error.add_note(f"the record of step {manifest.step} may stand: removing it failed too ({again})")
 
 
 def withdraw(store: Store, manifest: Manifest, root: bytes) -> None:
