@@ -2,7 +2,7 @@
 
 The layout is the one :class:`torch.distributed.checkpoint.FileSystemWriter` makes, so
 :func:`torch.distributed.checkpoint.load` reads it on any number of ranks: a file
-``__<rank>_0.distcp`` per rank holding its items back to back, each a ``torch.save`` blob, and
+``__<rank>_0.distcp`` per rank that holds rows, its items back to back, each a ``torch.save`` blob, and
 ``.metadata``, the pickled :class:`~torch.distributed.checkpoint.metadata.Metadata` naming every
 item by its fully qualified name (the dotted path DCP's own flattening gives) with its file,
 offset and length. A tensor is written as the row blocks of ``world_size`` ranks (blocks of
@@ -53,42 +53,40 @@ def write_dcp(src: Any, folder: str, world_size: int) -> None:
 
     traverse_state_dict(state, lambda path, value: items.append((path, value)))
     os.makedirs(folder)
-    files = [open(os.path.join(folder, f"__{r}_0.distcp"), "xb") for r in range(world_size)]
-    sd_meta: dict[str, Any] = {}
+    named = [(".".join(map(str, path)), path, value) for path, value in items]
+    planner = {fqn: path for fqn, path, _ in named}
+    tensors = {fqn: by_id[id(value)] for fqn, _, value in named if id(value) in by_id}
+    blocks = {fqn: _blocks(src.snap.shape(key), world_size) for fqn, key in tensors.items()}
+    chunks: dict[str, list[Any]] = {fqn: [] for fqn in tensors}
     storage: dict[Any, Any] = {}
-    planner: dict[str, tuple[str | int, ...]] = {}
-    try:
-        for path, value in items:
-            fqn = ".".join(map(str, path))
-            planner[fqn] = path
-            key = by_id.get(id(value))
-            if key is None:
-                data = io.BytesIO()
-                torch.save(_materialized(value, by_id, src), data)
-                storage[md.MetadataIndex(fqn)] = _append(fs, files[0], "__0_0.distcp", data.getvalue())
-                sd_meta[fqn] = md.BytesStorageMetadata()
-                continue
-            chunks = []
-            shape = src.snap.shape(key)
-            for rank, box in _blocks(shape, world_size):
-                row = box.offset[0] if shape else 0
-                for block in src.blocks(key, row, row + box.shape[0] if shape else None):
+    # Rank by rank, one file open at a time (a thousand ranks must not need a thousand open
+    # files); the ranks past the last one holding rows have no file.
+    for rank in range(max((len(b) for b in blocks.values()), default=1)):
+        name = f"__{rank}_0.distcp"
+        with open(os.path.join(folder, name), "xb") as f:
+            for fqn, _, value in named if rank == 0 else ():
+                if fqn not in tensors:  # plain values: byte items on rank 0
+                    data = io.BytesIO()
+                    torch.save(_materialized(value, by_id, src), data)
+                    storage[md.MetadataIndex(fqn)] = _append(fs, f, name, data.getvalue())
+            for fqn, key in tensors.items():
+                if rank >= len(blocks[fqn]):
+                    continue
+                shape = src.snap.shape(key)
+                row = blocks[fqn][rank].offset[0] if shape else 0
+                for block in src.blocks(key, row, row + blocks[fqn][rank].shape[0] if shape else None):
                     offsets = torch.Size((row, *[0] * (len(shape) - 1)) if shape else ())
                     row += block.shape[0] if shape else 0
-                    f = files[rank]
                     at = f.tell()
                     torch.save(block, f)
                     storage[md.MetadataIndex(fqn, offsets)] = fs._StorageInfo(
-                        relative_path=f"__{rank}_0.distcp", offset=at, length=f.tell() - at)
-                    chunks.append(md.ChunkStorageMetadata(offsets, block.shape))
-            sd_meta[fqn] = md.TensorStorageMetadata(md.TensorProperties(dtype=src.dtype(key)),
-                                                    torch.Size(src.snap.shape(key)), chunks)
-        for f in files:
+                        relative_path=name, offset=at, length=f.tell() - at)
+                    chunks[fqn].append(md.ChunkStorageMetadata(offsets, block.shape))
             f.flush()
             os.fsync(f.fileno())
-    finally:
-        for f in files:
-            f.close()
+    sd_meta = {fqn: md.TensorStorageMetadata(md.TensorProperties(dtype=src.dtype(tensors[fqn])),
+                                             torch.Size(src.snap.shape(tensors[fqn])), chunks[fqn])
+               if fqn in tensors else md.BytesStorageMetadata() for fqn in planner}
     meta = md.Metadata(state_dict_metadata=sd_meta, planner_data=planner, storage_data=storage,
                        storage_meta=md.StorageMeta(), version=fs.CURRENT_DCP_VERSION)
     with open(os.path.join(folder, METADATA), "xb") as f:
@@ -97,11 +95,13 @@ def write_dcp(src: Any, folder: str, world_size: int) -> None:
         os.fsync(f.fileno())
 
 
-def _blocks(shape: tuple[int, ...], world_size: int) -> list[tuple[int, Box]]:
-    """The non-empty row block of each rank (rank 0 takes a 0-d or empty tensor whole)."""
+def _blocks(shape: tuple[int, ...], world_size: int) -> list[Box]:
+    """The row blocks of the ranks that hold rows, a prefix of the ranks: those before
+    ``ceil(rows / block)`` (rank 0 takes a 0-d or empty tensor whole)."""
     if not shape or shape[0] == 0:
-        return [(0, Box((0,) * len(shape), shape))]
-    return [(r, b) for r in range(world_size) if (b := row_block(shape, r, world_size)).shape[0]]
+        return [Box((0,) * len(shape), shape)]
+    holding = -(-shape[0] // -(-shape[0] // world_size))
+    return [row_block(shape, r, world_size) for r in range(min(world_size, holding))]
 
 
 def _append(fs: Any, f: Any, name: str, data: bytes) -> Any:

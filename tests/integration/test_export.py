@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -183,6 +185,26 @@ def test_exported_dcp_loads_into_a_two_rank_sharded_template(tmp_path, world_siz
     torch.save(saved[3], tmp_path / "want.pt")
     assert check_ok(run_ranks(dcp_two_rank_job, 2, str(tmp_path), str(tmp_path / "dcp"),
                               str(tmp_path / "want.pt"))) == [0, 1]
+
+
+EXPORT_WITH_FEW_FILES = """
+import resource, sys, deltackpt
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+deltackpt.export(sys.argv[1], 3, "dcp", sys.argv[2], world_size=10**9)
+"""
+
+
+def test_dcp_export_to_more_ranks_than_open_files_or_rows(tmp_path):
+    """A billion ranks, in a process that may open 64 files: the ranks that hold rows (the 200
+    rows of the largest tensor, a row each) get a file each, written one at a time, and the
+    folder loads and imports as the step."""
+    saved = build_chain(tmp_path / "s")
+    subprocess.run([sys.executable, "-c", EXPORT_WITH_FEW_FILES, str(tmp_path / "s"), str(tmp_path / "dcp")],
+                   check=True, timeout=300)
+    assert len(list((tmp_path / "dcp").glob("*.distcp"))) == 200
+    assert deltackpt.import_checkpoint(tmp_path / "dcp", tmp_path / "back", 30).kind == "base"
+    with Checkpointer(tmp_path / "back", create=False) as ckpt:
+        flat_equal(ckpt.load(30), saved[3])
 
 
 @pytest.mark.parametrize("damage", ["no state_dict_metadata", "item bytes", "huge length"])
