@@ -131,7 +131,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_restore(args: argparse.Namespace) -> int:
     with Checkpointer(args.path, create=False, storage_options=_options(args)) as ckpt:
-        written = write_step(ckpt, args.step, args.out, world_size=args.world_size, keys=args.keys)
+        written = write_step(ckpt, args.step, args.out, world_size=args.world_size, keys=args.keys,
+                             overwrite=args.force)
     _report(args, {"step": args.step, "files": written},
             "\n".join(f"wrote step {args.step} to {path}" for path in written))
     return 0
@@ -308,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "offset by key)}")
     p.add_argument("--keys", nargs="+", default=None, metavar="PATTERN",
                    help="only these tensors (flat keys, prefixes or globs), written as a flat dict by key")
+    p.add_argument("--force", action="store_true", help="replace the files to write if they exist")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_restore)
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import DeltackptError
+from ..errors import DeltackptError, OutputExistsError
 from ..sharding import Shard
 from ..statetree import child_key
 
@@ -19,12 +19,14 @@ if TYPE_CHECKING:
 
 
 def write_step(ckpt: Checkpointer, step: int, out: str, *, world_size: int | None = None,
-               keys: Sequence[str] | None = None) -> list[str]:
+               keys: Sequence[str] | None = None, overwrite: bool = False) -> list[str]:
     """Writes ``step`` (its tensors ``keys``, if given) to the file ``out``, or with
     ``world_size`` to one file per rank in the folder ``out``
     (``rank00000-of-00002.pt``...); returns the files written.
 
     Raises:
+        OutputExistsError: a file to write exists and ``overwrite`` is False (checked before
+            anything is written).
         DeltackptError: a bad ``world_size`` or ``out``, or a file that cannot be written.
     """
     if world_size is not None and world_size < 1:
@@ -36,18 +38,31 @@ def write_step(ckpt: Checkpointer, step: int, out: str, *, world_size: int | Non
     if world_size is None and os.path.isdir(out):
         raise DeltackptError(f"--out: {out} is a folder; name the file to write (or pass --world-size)")
     if keys or world_size is None:
+        _check_absent([out], overwrite)
         _save_atomic(ckpt.load(step, keys=keys) if keys else ckpt.load(step), out)
         return [out]
+    _check_absent((_rank_file(out, rank, world_size) for rank in range(world_size)), overwrite)
     os.makedirs(out, exist_ok=True)
     written = []
     for rank in range(world_size):
+        path = _rank_file(out, rank, world_size)
         shards: dict[str, dict[str, list[int]]] = {}
         state = _unshard(ckpt.load(step, row_shard=(rank, world_size)), "", shards)
         doc = {"step": step, "rank": rank, "world_size": world_size, "state": state, "shards": shards}
-        path = os.path.join(out, f"rank{rank:05d}-of-{world_size:05d}.pt")
         _save_atomic(doc, path)
         written.append(path)
     return written
+
+
+def _rank_file(out: str, rank: int, world_size: int) -> str:
+    return os.path.join(out, f"rank{rank:05d}-of-{world_size:05d}.pt")
+
+
+def _check_absent(paths: Iterable[str], overwrite: bool) -> None:
+    if not overwrite:
+        for path in paths:
+            if os.path.lexists(path):
+                raise OutputExistsError(f"{path} exists; pass --force to replace it")
 
 
 def _save_atomic(obj: Any, path: str) -> None:

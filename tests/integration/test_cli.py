@@ -181,6 +181,27 @@ def test_demo_small(tmp_path, capsys):
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.parametrize("world_size", [None, 3])
+def test_restore_replaces_files_only_with_force(store, tmp_path, capsys, world_size):
+    """A file to write that exists is named in a one-line error and left as it was, unless
+    --force; with --world-size, before any rank's file is written."""
+    out = tmp_path / "out"
+    if world_size is None:
+        out.write_bytes(b"keep")
+        kept, ranks = out, []
+    else:
+        out.mkdir()
+        kept = out / "rank00002-of-00003.pt"
+        kept.write_bytes(b"keep")
+        ranks = ["--world-size", str(world_size)]
+    code, _, err = run(capsys, "restore", store, "--step", "20", "--out", str(out), *ranks)
+    assert code == 1 and err == f"deltackpt: error: {kept} exists; pass --force to replace it\n"
+    assert kept.read_bytes() == b"keep" and sorted(p.name for p in tmp_path.glob("out/*")) == (
+        [] if world_size is None else [kept.name])
+    code, _, _ = run(capsys, "restore", store, "--step", "20", "--out", str(out), *ranks, "--force")
+    assert code == 0 and torch.load(kept, weights_only=True)["step"] == 20
+
+
 def test_restore_per_rank_files(store, tmp_path, capsys):
     out_dir = tmp_path / "ranks"
     code, out, _ = run(capsys, "restore", store, "--step", "20", "--out", str(out_dir),
