@@ -68,6 +68,8 @@ class Store:
         try:
             doc = json.loads(self._read_small("zarr.json"))
             fmt = doc["attributes"]["deltackpt"]["format"]
+        except FileNotFoundError:  # removed since it was sized
+            raise StoreError(None, f"no deltackpt store at {self.storage.url}") from None
         except (ValueError, KeyError, TypeError):
             raise StoreError(None, f"{self.storage.url}/zarr.json is not a deltackpt store root") from None
         if fmt != FORMAT:
@@ -98,10 +100,15 @@ class Store:
             ManifestError: naming the table.
         """
         got = self.storage.size(key)
-        if got != size:
+        data = None
+        if got == size:
+            try:
+                data = self.storage.read(key)
+            except FileNotFoundError:  # deleted since it was sized
+                got = None
+        if data is None:
             raise ManifestError(f"{key}: the record lists a part table of {size} bytes, "
                                 + ("it is missing" if got is None else f"it has {got}"))
-        data = self.storage.read(key)
         if len(data) != size or checksum(data) != digest:
             raise ManifestError(f"{key}: the part table does not match its checksum in the record")
         return data

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from deltackpt import Checkpointer, MemoryStorage, StepExistsError, StepNotFoundError, StoreError
-from deltackpt.errors import BrokenChainError
+from deltackpt.errors import BrokenChainError, ManifestError
 from deltackpt.format.layout import commit_key
+from deltackpt.storage import FaultInjection
 from deltackpt.store import Store
 
 
@@ -51,6 +52,28 @@ def test_a_missing_parent_breaks_the_chain_and_a_missing_root_is_no_store():
         Store(storage).chain(3)
     with pytest.raises(StoreError, match="no deltackpt store"):
         Store(MemoryStorage()).check_exists()
+
+
+class Vanishing(FaultInjection):
+    """Files whose names end with ``gone`` are deleted between their sizing and their read (as a
+    GC or another process may do): sized, then not found."""
+
+    def __init__(self, inner: MemoryStorage, gone: tuple[str, ...]):
+        super().__init__(inner, lambda phase, key: None)
+        self.gone = gone
+
+    def read(self, key: str) -> bytes:
+        if key.endswith(self.gone):
+            raise FileNotFoundError(key)
+        return super().read(key)
+
+
+def test_a_file_deleted_between_its_size_and_its_read_is_a_typed_error():
+    with pytest.raises(StoreError, match="no deltackpt store"):
+        Store(Vanishing(saved([1]), ("zarr.json",))).check_exists()
+    with Checkpointer(Vanishing(saved([1, 2]), ("/parts.0",)), create=False) as ckpt:
+        with pytest.raises(ManifestError, match="parts.0: the record lists a part table of .* it is missing"):
+            ckpt.load(2)
 
 
 def test_holds_reads_the_record_afresh_even_when_it_knows_its_bytes():
