@@ -321,7 +321,8 @@ def commit(store: Store, save: SavePlan, plan: GlobalPlan, written: Sequence[Wri
         WriterConflictError: another writer took the lease over (the record is withdrawn unless
             the new holder builds on it, see :func:`withdraw`).
         StepExistsError: another writer committed the step meanwhile.
-        StoreError: creating the record failed (it is removed if it stands, see :func:`_take_back`).
+        StoreError: creating the record or a check once it exists failed (the record is removed
+            if it stands, see :func:`_take_back`).
     """
     made = _root(save, plan, written, head=head, world_size=world_size,
                  policy={"name": policy, "decision": str(save.kind), "reason": save.reason},
@@ -332,29 +333,30 @@ def commit(store: Store, save: SavePlan, plan: GlobalPlan, written: Sequence[Wri
     lease.check()
     try:
         manifest = store.commit_root(save.step, root, parsed=made.parsed(store))
-    except StoreError as e:
+        if manifest is None:
+            lease.check()
+            raise StepExistsError(f"step {save.step} was committed by another writer meanwhile")
+        try:
+            lease.check()
+        except WriterConflictError:
+            withdraw(store, manifest, root)
+            raise
+        if (manifest.parent is not None and manifest.parent_attempt is not None
+                and not store.holds(manifest.parent, manifest.parent_attempt)):
+            store.withdraw(manifest.step)  # the parent went after decide looked (a fenced writer's)
+            return None
+    except StoreError as e:  # creating the record, or a check once it exists, failed
         _take_back(store, made.m, root, lease, e)
         raise
-    if manifest is None:
-        lease.check()
-        raise StepExistsError(f"step {save.step} was committed by another writer meanwhile")
-    try:
-        lease.check()
-    except WriterConflictError:
-        withdraw(store, manifest, root)
-        raise
-    if (manifest.parent is not None and manifest.parent_attempt is not None
-            and not store.holds(manifest.parent, manifest.parent_attempt)):
-        store.withdraw(manifest.step)  # the parent went after decide looked (a fenced writer's)
-        return None
     return manifest
 
 
 def _take_back(store: Store, manifest: Manifest, root: bytes, lease: Holding, error: StoreError) -> None:
-    """After creating the record raised: removes it where it stands all the same (its folder's
-    sync failed once it was linked, or an object store's answer was lost once it was stored), so
-    that a save that raises commits nothing (if another writer took the lease over meanwhile,
-    as :func:`withdraw` does). Where that fails too, ``error`` says so."""
+    """After creating the record, or a check once it existed, raised: removes it where it stands
+    (its folder's sync failed once it was linked, an object store's answer was lost once it was
+    stored, or reading the lease or the parent's record failed), so that a save that raises
+    commits nothing (if another writer took the lease over meanwhile, as :func:`withdraw` does).
+    Where that fails too, ``error`` says so."""
     try:
         if store.holds(manifest.step, manifest.attempt):
             try:

@@ -133,30 +133,48 @@ def test_a_save_raising_in_any_phase_leaves_nothing_behind(tmp_path, monkeypatch
             assert_same_state(live, want)
 
 
-@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "background"])
-@pytest.mark.parametrize("times", [1, 2], ids=["once", "again-as-it-is-taken-back"])
-def test_a_record_whose_folder_fails_to_sync_is_taken_back(tmp_path, blocking, times):
-    """The record is in place, then the sync of its folder fails: the save raises, and the
-    record is removed, so that the step is not there and is saved again with what it held. If
-    the removal cannot be made durable either, the error says the record may stand."""
-    failures = [0]
+class FailingOnceCommitted(FaultInjection):
+    """A local store whose ``failures`` next syncs of ``commits/`` fail (``where`` "sync"), or
+    whose next read of step 2's record once step 3's exists (``where`` "parent"), as a save
+    checks that its parent is still there."""
 
-    def fault(phase: str, key: str) -> None:
-        if failures[0] and phase == "fsync_dir" and key.endswith("/commits"):
-            failures[0] -= 1
+    def __init__(self, root, where: str):
+        super().__init__(LocalStorage(root), self.at_point)
+        self.where, self.failures = where, 0
+
+    def at_point(self, phase: str, key: str) -> None:
+        if self.where == "sync" and self.failures and phase == "fsync_dir" and key.endswith("/commits"):
+            self.failures -= 1
             raise StoreError(errno.EIO, f"injected: the sync of {key} failed")
 
+    def read(self, key: str) -> bytes:
+        if (self.where == "parent" and self.failures and key == "commits/00000000000000000002.json"
+                and self.size("commits/00000000000000000003.json") is not None):
+            self.failures -= 1
+            raise StoreError(errno.EIO, f"injected: reading {key} failed")
+        return super().read(key)
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "background"])
+@pytest.mark.parametrize(("where", "times"), [("sync", 1), ("sync", 2), ("parent", 1)],
+                         ids=["sync-fails", "sync-fails-again-as-it-is-taken-back", "parent-unreadable"])
+def test_a_record_that_fails_once_in_place_is_taken_back(tmp_path, blocking, where, times):
+    """The record is in place, then the sync of its folder, or the check that its parent is
+    still there, fails: the save raises, and the record is removed, so that the step is not
+    there and is saved again with what it held. If the removal cannot be made durable either,
+    the error says the record may stand."""
     state = _state()
     saved: dict[int, dict[str, Any]] = {}
-    with Checkpointer(FaultInjection(LocalStorage(tmp_path), fault), base_every=1000, chunk_bytes=256 << 10,
-                      memory_budget=1 << 20) as ckpt:
+    storage = FailingOnceCommitted(tmp_path, where)
+    with Checkpointer(storage, base_every=1000, chunk_bytes=256 << 10, memory_budget=1 << 20) as ckpt:
         for step in (1, 2):
             _train(ckpt, state, step)
             _save(ckpt, step, state, blocking)
             saved[step] = _snapshot(state)
         _train(ckpt, state, 3)
-        failures[0] = times
-        with pytest.raises(StoreError, match=r"commits/0+3\.json") as raised:
+        storage.failures = times
+        with pytest.raises(StoreError, match=r"commits/0+3\.json" if where == "sync" else r"reading commits/0+2\.json"
+                           ) as raised:
             _save(ckpt, 3, state, blocking)
         notes = getattr(raised.value, "__notes__", [])
         assert ckpt.steps() == [1, 2]
