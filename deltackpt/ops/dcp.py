@@ -64,11 +64,12 @@ def write_dcp(src: Any, folder: str, world_size: int) -> None:
     for rank in range(max((len(b) for b in blocks.values()), default=1)):
         name = f"__{rank}_0.distcp"
         with open(os.path.join(folder, name), "xb") as f:
-            for fqn, _, value in named if rank == 0 else ():
-                if fqn not in tensors:  # plain values: byte items on rank 0
-                    data = io.BytesIO()
-                    torch.save(_materialized(value, by_id, src), data)
-                    storage[md.MetadataIndex(fqn)] = _append(fs, f, name, data.getvalue())
+            if rank == 0:  # plain values: byte items on rank 0
+                for fqn, _, value in named:
+                    if fqn not in tensors:
+                        data = io.BytesIO()
+                        torch.save(_materialized(value, by_id, src), data)
+                        storage[md.MetadataIndex(fqn)] = _append(fs, f, name, data.getvalue())
             for fqn, key in tensors.items():
                 if rank >= len(blocks[fqn]):
                     continue
@@ -96,12 +97,12 @@ def write_dcp(src: Any, folder: str, world_size: int) -> None:
 
 
 def _blocks(shape: tuple[int, ...], world_size: int) -> list[Box]:
-    """The row blocks of the ranks that hold rows, a prefix of the ranks: those before
-    ``ceil(rows / block)`` (rank 0 takes a 0-d or empty tensor whole)."""
+    """The row blocks of the ranks that hold rows: the first ``ceil(rows / block)``, blocks of
+    ``ceil(rows / world_size)`` rows (rank 0 takes a 0-d or empty tensor whole)."""
     if not shape or shape[0] == 0:
         return [Box((0,) * len(shape), shape)]
-    holding = -(-shape[0] // -(-shape[0] // world_size))
-    return [row_block(shape, r, world_size) for r in range(min(world_size, holding))]
+    block = -(-shape[0] // world_size)
+    return [row_block(shape, r, world_size) for r in range(-(-shape[0] // block))]
 
 
 def _append(fs: Any, f: Any, name: str, data: bytes) -> Any:
