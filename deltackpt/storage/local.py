@@ -378,4 +378,17 @@ def _fsync_dir(path: str) -> None:
 
 def _store_error(e: OSError, path: str) -> StoreError:
     cls = StorageFullError if e.errno in (errno.ENOSPC, errno.EDQUOT) else StoreError
+    if e.errno == errno.ENOTDIR and (file := _file_above(path)):
+        return cls(e.errno, f"{file} is a file, where a folder of the store must be")
     return cls(e.errno, f"{os.strerror(e.errno) if e.errno else e}: {path}")
+
+
+def _file_above(path: str) -> str | None:
+    """The highest of ``path``'s parents that is there but is no folder (a store's path naming
+    a file), if any."""
+    found = None
+    while (parent := os.path.dirname(path)) != path:
+        path = parent
+        if os.path.lexists(path) and not os.path.isdir(path):
+            found = path
+    return found

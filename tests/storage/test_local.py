@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from deltackpt import Checkpointer
+from deltackpt.errors import StoreError
 from deltackpt.io.staging import StagingPool
 from deltackpt.storage import LocalStorage
 from deltackpt.storage.direct import BLOCK, BOUNCE, DIRECT_MIN
@@ -177,3 +178,16 @@ def test_sync_issues_the_folders_fsyncs_together_through_run(tmp_path):
     points.clear()
     storage.sync(keys, run=run)  # the parents' new names are durable already
     assert sorted(os.path.relpath(k, tmp_path) for _, k in points) == ["steps/1-a", "steps/1-a/t", "steps/1-a/u"]
+
+
+@pytest.mark.parametrize("under", ["", "inner/deeper"])
+def test_a_store_path_through_a_file_names_the_file(tmp_path, under):
+    # A store's path naming a file (or a path below one) is refused naming that file, on a save
+    # and on a read alike.
+    file = tmp_path / "a-file"
+    file.write_bytes(b"not a store")
+    with pytest.raises(StoreError, match=f"{file} is a file, where a folder of the store must be"):
+        Checkpointer(file / under if under else file).save(1, {"w": torch.ones(3)})
+    with pytest.raises(StoreError, match=f"{file} is a file"):
+        LocalStorage(file / under if under else file).read("zarr.json")
+    assert file.read_bytes() == b"not a store"
