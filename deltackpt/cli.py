@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -167,14 +168,16 @@ def _step_bytes(store: Store, step: int) -> int:
 
 
 def _retention(args: argparse.Namespace) -> Retention | None:
+    if not (math.isfinite(args.grace) and args.grace >= 0):
+        raise DeltackptError(f"--grace must be a finite number >= 0, got {args.grace}")
     if args.keep_last is None and args.keep_every is None and not args.keep:
         return None
     if args.keep_last is None:
         raise DeltackptError("--keep-every and --keep need --keep-last (how many recent steps to keep)")
-    try:
-        return Retention(args.keep_last, args.keep_every, frozenset(args.keep))
-    except ValueError as e:
-        raise DeltackptError(str(e).replace("keep_", "--keep-")) from None
+    for flag, value in (("--keep-last", args.keep_last), ("--keep-every", args.keep_every)):
+        if value is not None and value < 1:
+            raise DeltackptError(f"{flag} must be a positive integer, got {value}")
+    return Retention(args.keep_last, args.keep_every, frozenset(args.keep))
 
 
 def _print_gc(report: GCReport, as_json: bool, extra: dict[str, Any] | None = None) -> None:

@@ -74,19 +74,25 @@ def test_verify_ok_and_json(store, capsys):
         (["restore", "{store}", "--step", "99", "--out", "{tmp}/x.pt"], "step 99 is not committed"),
         (["verify", "{store}", "--step", "5"], "step 5 is not committed"),
         (["show", "{store}", "20"], "not valid JSON"),
-        (["gc", "{store}", "--grace", "nan"], "grace_seconds must be a finite number >= 0, got nan"),
-        (["gc", "{store}", "--grace=-1"], "grace_seconds must be a finite number >= 0, got -1.0"),
-        (["gc", "{store}", "--grace", "inf"], "grace_seconds must be a finite number >= 0, got inf"),
+        (["gc", "{store}", "--grace", "nan"], "--grace must be a finite number >= 0, got nan"),
+        (["gc", "{store}", "--grace=-1"], "--grace must be a finite number >= 0, got -1.0"),
+        (["compact", "{store}", "--grace", "inf"], "--grace must be a finite number >= 0, got inf"),
+        (["gc", "{store}", "--keep-last", "0"], "--keep-last must be a positive integer, got 0"),
+        (["compact", "{store}", "--keep-last", "2", "--keep-every=-5"],
+         "--keep-every must be a positive integer, got -5"),
+        (["ls", "{file}"], "{file} is a file, where a folder of the store must be"),
+        (["verify", "{file}/inner"], "{file} is a file, where a folder of the store must be"),
     ],
 )
 def test_bad_input_is_one_line(store, tmp_path, capsys, argv, message):
     if message == "not valid JSON":
         with open(os.path.join(store, *commit_key(10).split("/")), "w") as f:
             f.write("{not json")
-    argv = [a.format(store=store, missing=tmp_path / "nope", tmp=tmp_path) for a in argv]
-    code, out, err = run(capsys, *argv)
+    names = {"store": store, "missing": tmp_path / "nope", "tmp": tmp_path, "file": tmp_path / "a-file"}
+    (tmp_path / "a-file").write_text("not a store")
+    code, out, err = run(capsys, *[a.format(**names) for a in argv])
     assert code == 1
-    assert err.count("\n") == 1 and err.startswith("deltackpt: error: ") and message in err
+    assert err.count("\n") == 1 and err.startswith("deltackpt: error: ") and message.format(**names) in err
 
 
 def test_corrupt_record_is_listed_as_corrupt(store, capsys):
