@@ -137,7 +137,8 @@ class Saver:
         @paused()
         def stage_here() -> dict[str, TensorChange]:
             try:
-                staged = stage(writers, save, items, changes, held, self._sizes, plan=plan)
+                with self._pool.staging():
+                    staged = stage(writers, save, items, changes, held, self._sizes, plan=plan)
                 if save.kind == Kind.BASE:  # hashed now, as staged: the background may run on after
                     staged = self._tracker.hash_whole(tensors, staged)
                 return staged

@@ -95,6 +95,27 @@ def test_a_pool_closed_while_warming_leaves_the_buffer_being_made_and_makes_no_m
     assert deltackpt.release_staging_memory() == 1 << 16  # the one being made, and no more
 
 
+def test_warming_waits_while_a_save_copies_into_the_pool_and_goes_on_after():
+    pool = StagingPool(4, 1 << 16)
+    with pool.staging():
+        warming = threading.Thread(target=pool.warm, args=(3,))
+        warming.start()
+        warming.join(0.3)
+        assert warming.is_alive() and not pool._buffers  # made none beside the copies
+        taken = pool.acquire(10)  # the save makes what it needs meanwhile, without waiting
+    warming.join(10)
+    assert not warming.is_alive()
+    assert len(pool._buffers) == 3
+    pool.release(taken)
+    with pool.staging():  # a pool closed while its warm waits: the warm ends, making none
+        waiting = threading.Thread(target=pool.warm, args=(4,))
+        waiting.start()
+        pool.close()
+        waiting.join(10)
+    assert not waiting.is_alive() and len(pool._buffers) == 0  # the free ones went to the reserve
+    assert deltackpt.release_staging_memory() == 3 * (1 << 16)
+
+
 def test_a_closed_pool_leaves_its_buffers_to_the_next_until_released():
     first = StagingPool(3, 1 << 16)
     held = [first.acquire(1 << 16) for _ in range(3)]
