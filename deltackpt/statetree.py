@@ -173,6 +173,17 @@ def flatten(state: Mapping[str, Any], *, reuse: FlatState | None = None) -> Flat
     return FlatState(out.tensors, tree, out.sources, out.reused, out.strided, out.dicts)
 
 
+def plain_strides(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous), or where its strides differ from those of a fresh tensor of its shape,
+    a view of the same memory with those. A dimension of one element (or none) may have any
+    stride in a contiguous tensor (``torch.zeros(1, 3).t()``: strides (1, 3)), and a tensor so
+    strided cannot be viewed as bytes: its save and its restore failed with a RuntimeError."""
+    if not t.dim() or min(t.shape) > 1:
+        return t
+    plain = t.reshape(-1).view(t.shape)
+    return t if plain.stride() == t.stride() else plain
+
+
 def integration(obj: object) -> Any:
     """The module that saves and restores ``obj`` (TorchRec's DMP and fused optimizers), imported
     only for such an object, or None."""
@@ -219,6 +230,8 @@ def _node(obj: Any, path: str, out: _Flattening, depth: int, last: dict[str, Any
             raise StateError(f"{path}: only dense (strided) tensors are supported, got {shard.local.layout}")
         if not shard.local.is_contiguous() or shard.local.is_conj() or shard.local.is_neg():
             out.strided.add(path)
+        elif (local := plain_strides(shard.local)) is not shard.local:
+            shard = Shard(local, global_shape=shard.global_shape, global_offset=shard.global_offset)
         tensors[path] = shard
         return {"tensor": path}
     if is_stateful(obj) and not isinstance(obj, Mapping):

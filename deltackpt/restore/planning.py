@@ -216,7 +216,7 @@ def fill(plan: RestorePlan, m: Manifest, reader: ChainReader,
         local = target.local
         direct = (local.device.type == "cpu" and local.is_contiguous()
                   and not (local.is_conj() or local.is_neg()))
-        dest = local if direct else torch.empty(local.shape, dtype=local.dtype)
+        dest = statetree.plain_strides(local) if direct else torch.empty(local.shape, dtype=local.dtype)
         rows = RowHashes.of(dest.shape[0]) if key in hashed and dest.dim() else None
         reader.read(key, dest, target.box, rows)
         if rows is not None:

@@ -167,6 +167,40 @@ def test_conjugate_and_negative_views_save_and_restore_their_values(store_path):
         assert torch.equal(target["conj"], state["conj"]) and torch.equal(target["neg"], state["neg"])
 
 
+def odd_strides(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A contiguous tensor of ``shape`` whose one-element (or empty) dimensions have strides a
+    fresh one's lack: the transpose of a tensor of the reversed shape."""
+    t = torch.randn(shape[::-1]).to(dtype).permute(*reversed(range(len(shape))))
+    assert t.is_contiguous() and t.stride() != torch.empty(shape).stride()
+    return t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64])
+def test_contiguous_tensors_with_odd_strides_save_and_restore(store_path, dtype):
+    """A dimension of one element may have any stride in a contiguous tensor: such tensors save
+    (bases and deltas), load and restore bit for bit, and restore into such targets."""
+    state = {"col": odd_strides((300, 1), dtype), "row": odd_strides((1, 1, 7), dtype),
+             "none": odd_strides((17, 0), dtype), "big": torch.arange(4000).to(dtype)}
+    saved = []
+    with Checkpointer(store_path, chunk_bytes=256, dense_chunk_bytes=256, memory_budget=4096) as ckpt:
+        for step in range(3):
+            if step:
+                state["col"][5 * step] += 1
+                state["row"][0, 0, step] -= 1
+            info = ckpt.save(step, state, blocking=step != 1)
+            assert (info if step != 1 else info.result()).kind == ("base" if step == 0 else "delta")
+            saved.append({k: t.clone() for k, t in state.items()})
+        for step, want in enumerate(saved):
+            assert_same_state(ckpt.load(step), want)
+            target = {k: odd_strides(tuple(t.shape), dtype) if t.dim() > 1 else torch.zeros_like(t)
+                      for k, t in want.items()}
+            ckpt.restore(target, step)
+            assert_same_state(target, want)
+        halves = [ckpt.load(2, row_shard=(r, 2)) for r in range(2)]
+        assert torch.equal(torch.cat([h["col"].local for h in halves]), saved[2]["col"])
+        assert ckpt.verify().ok
+
+
 class Color(str, enum.Enum):
     RED = "red"
 
