@@ -20,6 +20,7 @@ from .checkpointer import Checkpointer, SaveInfo
 from .errors import (
     BrokenChainError,
     CheckpointAborted,
+    ClosedError,
     ConvertError,
     DeltackptError,
     DtypeMismatchError,
@@ -75,6 +76,7 @@ __all__ = [
     "CheckpointAborted",
     "CheckpointHook",
     "Checkpointer",
+    "ClosedError",
     "CompactInfo",
     "ConvertError",
     "Decision",

@@ -164,8 +164,7 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         """The highest committed step, or None."""
-        steps = self.steps()
-        return steps[-1] if steps else None
+        return max(self.steps(), default=None)
 
     # -- save -----------------------------------------------------------------------------------
 
@@ -288,6 +287,7 @@ class Checkpointer:
     def verify(self, step: int | None = None, progress: Callable[[int], None] = lambda n: None) -> VerifyReport:
         """Re-reads every chunk of ``step``'s chain (default: of every committed step) and checks
         sizes, checksums and parent links; returns what it found instead of raising."""
+        self.wait()
         steps = self.steps()
         if step is not None:
             if step not in steps:
@@ -310,6 +310,7 @@ class Checkpointer:
             ...     ckpt.compact(2).chain_length
             2
         """
+        self.wait()
         return compact(self.store, self._coll, self._pool, self._executor, self._sizes, upto)
 
     def gc(self, retention: Retention | None = None, *, grace_seconds: float = 3600.0,
@@ -317,20 +318,14 @@ class Checkpointer:
         """Drops steps ``retention`` does not keep (default: keeps all) and deletes what no
         remaining step refers to, once older than ``grace_seconds``; see :mod:`deltackpt.ops.gc`.
         Runs on the coordinator; other ranks get its report."""
+        self.wait()
         return self._coll.one("gc", lambda: collect(self.store, retention or Retention(),
                                                     grace_seconds=grace_seconds, dry_run=dry_run))
 
     # -- tracking -------------------------------------------------------------------------------
 
-    def track(
-        self,
-        model: torch.nn.Module,
-        *,
-        prefix: str = "model",
-        optimizer: torch.optim.Optimizer | None = None,
-        optimizer_prefix: str = "optim",
-        canary: Canary | None = None,
-    ) -> TrackHandle:
+    def track(self, model: torch.nn.Module, *, prefix: str = "model", optimizer: torch.optim.Optimizer | None = None,
+              optimizer_prefix: str = "optim", canary: Canary | None = None) -> TrackHandle:
         """Marks the rows that ``model``'s embedding lookups touch, so deltas need not hash them.
 
         Hooks every ``nn.Embedding``, ``nn.EmbeddingBag`` and TorchRec ``EmbeddingBagCollection``;
@@ -383,7 +378,10 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for the save in flight and pending I/O, releases the writer lease, the threads and
-        the staging buffers (see :mod:`.io.staging`); raises the save's error, if any, at the end."""
+        the staging buffers (see :mod:`.io.staging`); raises the save's error, if any, at the end.
+        Any later call but this one (which does nothing) raises :class:`~deltackpt.errors.ClosedError`."""
+        if self._background.closed:
+            return
         try:
             self.wait()
         finally:

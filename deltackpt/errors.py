@@ -145,7 +145,11 @@ class WriterConflictError(DeltackptError):
     """Another writer holds the store's lease (see :mod:`deltackpt.ops.lease`)."""
 
 
-class HookClosedError(DeltackptError, RuntimeError):
+class ClosedError(DeltackptError, RuntimeError):
+    """A :class:`~deltackpt.Checkpointer` was used after :meth:`~deltackpt.Checkpointer.close`."""
+
+
+class HookClosedError(ClosedError):
     """A :class:`~deltackpt.CheckpointHook` was used after it was closed."""
 
 

@@ -13,6 +13,7 @@ import concurrent.futures
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from ..errors import ClosedError
 from ..io.threads import started_pool
 from .types import SaveInfo
 
@@ -67,6 +68,7 @@ class Background:
     def __init__(self) -> None:
         self._thread = started_pool(1, "deltackpt-save")
         self._pending: SaveHandle | None = None
+        self.closed = False
 
     def start(self, step: int, blocked_seconds: float, finish: Callable[[], SaveInfo]) -> SaveHandle:
         """Runs ``finish`` (the write and commit of ``step``) behind the caller."""
@@ -79,7 +81,10 @@ class Background:
 
         Raises:
             DeltackptError: it failed, and the caller has not been told through its handle.
+            ClosedError: :meth:`close` has run (every call of the checkpointer waits first).
         """
+        if self.closed:
+            raise ClosedError("the Checkpointer is closed")
         pending, self._pending = self._pending, None
         if pending is None:
             return None
@@ -93,4 +98,5 @@ class Background:
 
     def close(self) -> None:
         """Waits for the thread to end (after :meth:`wait`)."""
+        self.closed = True
         self._thread.shutdown(wait=True)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from deltackpt import Checkpointer, LocalStorage, StoreError, kernels
+from deltackpt import Checkpointer, ClosedError, LocalStorage, StoreError, kernels
 from deltackpt.save.pending import SaveHandle
 from deltackpt.storage import FaultInjection
 from faults import HeldWrites
@@ -197,6 +197,23 @@ def test_close_finishes_the_save_in_flight(tmp_path):
     ckpt.close()
     with Checkpointer(tmp_path, create=False) as again:
         assert again.steps() == [1] and torch.equal(again.load(1)["t"], torch.arange(4000.0).reshape(1000, 4))
+
+
+def test_a_closed_checkpointer_refuses_every_call_but_close(tmp_path):
+    t = torch.arange(4000.0).reshape(1000, 4)
+    ckpt = Checkpointer(tmp_path, chunk_bytes=1024, memory_budget=4096)
+    ckpt.save(1, {"t": t}, blocking=False)
+    ckpt.close()
+    ckpt.close()  # does nothing
+    calls = {"save": lambda: ckpt.save(2, {"t": t}), "background save": lambda: ckpt.save(2, {"t": t}, blocking=False),
+             "load": lambda: ckpt.load(1), "restore": lambda: ckpt.restore({"t": t}, 1), "wait": ckpt.wait,
+             "verify": ckpt.verify, "compact": ckpt.compact, "gc": ckpt.gc, "deltas": lambda: ckpt.deltas()}
+    for name, call in calls.items():
+        with pytest.raises(ClosedError, match="the Checkpointer is closed"):
+            call()
+    assert ckpt.steps() == [1]  # a listing of the store needs none of its threads
+    with Checkpointer(tmp_path, create=False) as again:
+        assert torch.equal(again.load(1)["t"], t) and again.verify().ok
 
 
 def test_interpreter_exit_finishes_the_save_in_flight(tmp_path):
