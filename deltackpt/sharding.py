@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,6 +151,12 @@ def as_shard(obj: Any, path: str) -> Shard:
 def row_block(shape: tuple[int, ...], rank: int, world_size: int) -> Box:
     """Rank ``rank``'s rows of a row-wise sharding over ``world_size`` ranks (``torch.chunk``'s
     blocks of ``ceil(rows / world_size)``; the last ranks may get fewer rows, or none)."""
+    try:
+        rank, world_size = operator.index(rank), operator.index(world_size)
+    except TypeError:
+        raise SettingError(f"rank and world_size must be ints, got {rank!r} and {world_size!r}") from None
+    if world_size < 1:
+        raise SettingError(f"world_size must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
         raise SettingError(f"rank must be in [0, {world_size}), got {rank}")
     block = -(-shape[0] // world_size)

@@ -49,6 +49,8 @@ def _read_from(storage: Storage, chain: list[Manifest], *, pool: StagingPool, ex
                 rows: torch.Tensor | Sequence[int] | None) -> Any:
     """:func:`read_step` of the last step of ``chain``."""
     if key is not None or rows is not None:
+        if keys is not None or row_shard is not None:
+            raise StateError("key= and rows= read rows of one tensor: they go without keys= and row_shard=")
         return read_rows(storage, chain, pool, executor, key, rows)
     m = chain[-1]
     chosen = set(select_keys(m.tensors, keys)) if keys is not None else set(m.tensors)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -111,7 +112,19 @@ def test_keys_select_by_name_prefix_and_glob(tmp_path):
             ckpt.load(2, key="count", rows=[0])
         with pytest.raises(StateError, match="together"):
             ckpt.load(2, rows=[0])
+        with pytest.raises(StateError, match="go without keys= and row_shard="):
+            ckpt.load(2, key="t0", keys=["t0"])
+        with pytest.raises(StateError, match="go without keys= and row_shard="):
+            ckpt.load(2, key="t0", rows=[1], row_shard=(0, 2))
         with pytest.raises(SettingError, match=r"rank must be in \[0, 2\), got 2"):
             ckpt.load(2, row_shard=(2, 2))
+        with pytest.raises(SettingError, match=r"world_size must be >= 1, got 0"):
+            ckpt.load(2, row_shard=(0, 0))
+        with pytest.raises(SettingError, match=r"rank and world_size must be ints, got 0.5 and 2"):
+            ckpt.load(2, row_shard=(0.5, 2))
+        with pytest.raises(SettingError, match=r"rank and world_size must be ints, got 0 and '2'"):
+            ckpt.load(2, row_shard=(0, "2"))
+        assert torch.equal(ckpt.load(2, row_shard=(np.int64(1), np.int32(2)))["t0"].local,
+                           ckpt.load(2, row_shard=(1, 2))["t0"].local)
     assert select_keys(["model/a.w", "model/b.w", "opt/x"], ["model/*.w"]) == ["model/a.w", "model/b.w"]
     assert select_keys(["model/a.w", "models/b", "opt/x"], ["model"]) == ["model/a.w"]
