@@ -119,7 +119,8 @@ class RowTracker:
         """Hooks every ``nn.Embedding``, ``nn.EmbeddingBag`` and TorchRec
         ``EmbeddingBagCollection`` of ``model`` so that lookups mark their rows.
 
-        Tracking a module again replaces its hook, so a second call can add an optimizer.
+        Tracking a module again replaces its hook, so a second call can add an optimizer; under
+        another prefix, each table's one set of marks serves the keys of both.
 
         Args:
             model: the model, as it sits in the saved state.
@@ -318,6 +319,8 @@ class RowTracker:
         canary: Canary,
     ) -> TrackedTable:
         t = next((self._tables[k] for k in keys if k in self._tables), None)
+        if t is None and param is not None:  # the same table tracked under another path: one
+            t = next((x for x in self.tables() if x.param is param), None)  # hook marks them all
         if t is None:
             t = TrackedTable(keys, param, optimizer, canary, order=len(self.tables()))
         else:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from deltackpt import Checkpointer, EveryK, LocalStorage, StoreError
+from deltackpt import Canary, Checkpointer, EveryK, LocalStorage, StoreError
 from helpers import assert_same_state
 
 ROWS = 400
@@ -94,6 +94,29 @@ def test_tracked_saves_restore_bit_exact(tmp_path, kind):
                 want.kind, want.rows_changed, want.bytes_written), s
             snapshots[s] = snapshot(state)
     check_every_step(tmp_path / "tracked", snapshots, kind)
+
+
+def test_a_model_tracked_again_under_another_path_still_marks_its_tables(tmp_path):
+    # Its lookups mark one table holding the keys of both paths: the second track() took the
+    # hook over, and the first path's tables got no marks, while a canary this small all but
+    # never notices (the saves' deltas missed the rows).
+    model, opt, dense = build("adagrad")
+    state = {"model": model, "optim": opt, "dense": dense, "step": 0}
+    gen = torch.Generator().manual_seed(1)
+    blind = Canary(fraction=0, min_rows=1, audit_every=None, seed=0)
+    step(model, (opt, dense), gen)  # Adam's state exists from the first save on
+    snapshots = {}
+    with Checkpointer(tmp_path, policy=EveryK(every=10, max_delta_fraction=1.0), chunk_bytes=4096,
+                      memory_budget=1 << 16) as ckpt:
+        ckpt.track(model, prefix="model", optimizer=opt, canary=blind)
+        ckpt.track(model, prefix="mirror", canary=blind)  # a second path, not in this state
+        for s in range(4):
+            if s:
+                step(model, (opt, dense), gen)
+            state["step"] = s
+            assert ckpt.save(s, state).kind == ("base" if s == 0 else "delta")
+            snapshots[s] = snapshot(state)
+    check_every_step(tmp_path, snapshots, "adagrad")
 
 
 def test_weight_decay_trips_the_canary_and_stays_exact(tmp_path, caplog):
