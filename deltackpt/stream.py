@@ -28,6 +28,9 @@ from .io.staging import StagingPool
 from .store import Store
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # by element size
+
+
 @dataclass(frozen=True)
 class TensorDelta:
     """What changed in one part of one tensor.
@@ -51,12 +54,15 @@ class TensorDelta:
         if self.ids is None:
             tensors[self.key] = self.values.clone()
             return
-        target = tensors[self.key]
+        target, values = tensors[self.key], self.values
         if target.dim() <= 1:
             target = target.view(-1)
+        if target.dtype == values.dtype:  # torch writes no rows by index into some dtypes
+            bits = _BITS.get(target.element_size(), target.dtype)  # (uint32, float8_e8m0fnu...)
+            target, values = target.view(bits), values.view(bits)
         index: tuple[torch.Tensor | slice, ...] = (
             self.ids, *[slice(o, o + n) for o, n in zip(self.columns, self.values.shape[1:])])
-        target[index] = self.values
+        target[index] = values
 
 
 @dataclass(frozen=True)
