@@ -28,9 +28,6 @@ from .io.staging import StagingPool
 from .store import Store
 
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # by element size
-
-
 @dataclass(frozen=True)
 class TensorDelta:
     """What changed in one part of one tensor.
@@ -58,8 +55,7 @@ class TensorDelta:
         if target.dim() <= 1:
             target = target.view(-1)
         if target.dtype == values.dtype:  # torch writes no rows by index into some dtypes
-            bits = _BITS.get(target.element_size(), target.dtype)  # (uint32, float8_e8m0fnu...)
-            target, values = target.view(bits), values.view(bits)
+            target, values = dtypes.as_bits(target), dtypes.as_bits(values)
         index: tuple[torch.Tensor | slice, ...] = (
             self.ids, *[slice(o, o + n) for o, n in zip(self.columns, self.values.shape[1:])])
         target[index] = values

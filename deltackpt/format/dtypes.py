@@ -53,6 +53,16 @@ def from_name(dtype_name: str) -> torch.dtype:
         raise StateError(f"unknown dtype {dtype_name!r} in the store") from None
 
 
+_SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as the integer dtype of its element size, which torch indexes and writes by
+    index for every dtype (``index_put`` is not implemented for uint16-64, float8_e8m0fnu or
+    float4_e2m1fn_x2); 16-byte items (complex128, indexed natively) as they are."""
+    return t.view(_SAME_SIZE.get(t.element_size(), t.dtype))
+
+
 def zarr_data_type(dtype: torch.dtype) -> str:
     """The zarr v3 ``data_type`` that holds the bits of ``dtype``."""
     return _NATIVE.get(dtype) or _AS_BITS[dtype]

@@ -106,7 +106,9 @@ class RowReader(ChainReader):
                 if a < b:
                     jobs += r.encoding.read_rows(self, m, key, r, part, uniq[a:b], a, dest)
             self.run(jobs)
-        return dest[inverse] if uniq.numel() != ids.numel() or not torch.equal(uniq, ids) else dest
+        if uniq.numel() == ids.numel() and torch.equal(uniq, ids):
+            return dest
+        return dtypes.as_bits(dest)[inverse].view(dest.dtype)
 
     def _record(self, key: str) -> TensorRecord:
         rec = self._chain[-1].tensors.get(key)

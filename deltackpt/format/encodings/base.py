@@ -314,7 +314,7 @@ def dense_rows(source: ChunkSource, m: Manifest, key: str, part: PartRecord, wan
                  dst: torch.Tensor = where[sel]) -> None:
             rows = buf[: size * row_bytes].view(dest.dtype).view(size, *rest)
             index: tuple[torch.Tensor | slice, ...] = (dst, *cols)
-            dest[index] = rows[src]
+            dtypes.as_bits(dest)[index] = dtypes.as_bits(rows)[src]
 
         jobs.append(partial(source.staged, m, key, part, name, dest.dtype, size * row_bytes, copy))
     return jobs

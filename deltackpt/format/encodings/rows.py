@@ -32,9 +32,6 @@ if TYPE_CHECKING:
 
 Index = slice | torch.Tensor
 
-_SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def put_rows(dest: torch.Tensor, at: torch.Tensor, rows: torch.Tensor) -> None:
     """``dest[at] = rows`` (CPU; ``at`` int64 row indices) on the calling thread.
 
@@ -42,11 +39,7 @@ def put_rows(dest: torch.Tensor, at: torch.Tensor, rows: torch.Tensor) -> None:
     its thread pool from every I/O thread at once, and copying a delta's kept rows that way took
     about 5x as long (a chain of 64 deltas spent most of its replay on it beyond the reads).
     """
-    as_int = _SAME_SIZE.get(dest.element_size())
-    if as_int is None:  # 16-byte items (complex128): no integer of their size
-        dest.index_copy_(0, at, rows)
-        return
-    dest.view(as_int).numpy()[at.numpy()] = rows.view(as_int).numpy()
+    dtypes.as_bits(dest).numpy()[at.numpy()] = dtypes.as_bits(rows).numpy()
 
 
 @dataclass(frozen=True)
@@ -240,7 +233,7 @@ class Rows(Encoding):
             def copy(buf: torch.Tensor, src: torch.Tensor = at[sel] - g * rc.rows,
                      dst: torch.Tensor = where[sel]) -> None:
                 index: tuple[torch.Tensor | slice, ...] = (dst, *cols)
-                dest[index] = rc.decode(buf, src)
+                dtypes.as_bits(dest)[index] = dtypes.as_bits(rc.decode(buf, src))
 
             jobs.append(partial(source.staged, m, key, part, rc.name(g), rc.dtype, rc.nbytes, copy,
                                 uncoded=rc.uncoded))
