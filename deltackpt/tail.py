@@ -3,7 +3,8 @@
 A JSON line per step: ``{"step", "kind", "parent", "tree", "changes": [{"key", "ids", "columns",
 "dtype", "shape", "data"}]}``, where ``ids`` lists the changed rows (null: ``data`` is the whole
 tensor) and ``data`` is the values' bytes, little-endian, base64-coded, so every value, NaN
-payloads included, arrives bit for bit. A safetensors file ``step-<S>.safetensors`` holds tensors
+payloads included, arrives bit for bit. A safetensors file ``step-<S>.safetensors`` (of a step
+whose dtypes safetensors has: not complex, nor the float8 kinds it lacks) holds tensors
 ``changes.<i>.values`` and ``changes.<i>.ids`` and, in its metadata, the step, kind, parent,
 skeleton and each change's key and columns (``deltackpt.changes``).
 """
@@ -17,7 +18,9 @@ from typing import IO
 
 import torch
 
+from .errors import ConvertError
 from .format import dtypes
+from .ops.export import SAFETENSORS_DTYPES
 from .stream import StepDelta
 
 
@@ -45,6 +48,9 @@ def write_step_safetensors(delta: StepDelta, folder: str) -> str:
     tensors: dict[str, torch.Tensor] = {}
     index = []
     for i, c in enumerate(delta.changes):
+        if c.values.dtype not in SAFETENSORS_DTYPES:
+            raise ConvertError(f"{c.key}: safetensors cannot hold {c.values.dtype}; follow the "
+                               "stream as JSON lines instead")
         tensors[f"changes.{i}.values"] = c.values.contiguous()
         if c.ids is not None:
             tensors[f"changes.{i}.ids"] = c.ids

@@ -136,6 +136,16 @@ def test_tail_prints_json_lines_and_safetensors(tmp_path, capsys):
         assert same_bits(f.get_tensor(f"changes.{i}.values"), t[[7, 9]])
 
 
+def test_tail_out_refuses_a_dtype_safetensors_cannot_hold_in_one_line(tmp_path, capsys):
+    with Checkpointer(tmp_path / "s") as ckpt:
+        ckpt.save(1, {"c": torch.zeros(5, 2, dtype=torch.complex128)})
+    assert main(["tail", str(tmp_path / "s"), "--out", str(tmp_path / "d")]) == 1
+    err = capsys.readouterr().err
+    assert err == "deltackpt: error: c: safetensors cannot hold torch.complex128; follow the stream as JSON lines instead\n"
+    assert main(["tail", str(tmp_path / "s")]) == 0  # as JSON lines, every dtype
+    assert json.loads(capsys.readouterr().out)["changes"][0]["dtype"] == "complex128"
+
+
 def test_quantized_deltas_stream_and_partial_loads_as_load_decodes_them(tmp_path):
     from deltackpt import Rowwise
 
