@@ -170,12 +170,24 @@ def export(path: str | os.PathLike[str] | Storage, step: int | None, to: str,
 
 
 def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    name = dtype.removeprefix("torch.")
-    if name not in dtypes.NAMES:
-        raise ConvertError(f"unknown dtype {dtype!r}")
-    return dtypes.from_name(name)
+    """The floating-point dtype to convert to, checked: converting floats to integers or bool
+    would change their values, and torch converts to no packed float4."""
+    if dtype is None:
+        return None
+    if not isinstance(dtype, torch.dtype):
+        name = dtype.removeprefix("torch.")
+        if name not in dtypes.NAMES:
+            raise ConvertError(f"unknown dtype {dtype!r}")
+        dtype = dtypes.from_name(name)
+    converts = dtype.is_floating_point
+    try:
+        torch.zeros(1).to(dtype)
+    except (RuntimeError, NotImplementedError):
+        converts = False
+    if not converts:
+        raise ConvertError("dtype must be a floating-point dtype torch converts floats to (float16, "
+                           f"bfloat16, float8_e4m3fn...), got {dtypes.name(dtype)}")
+    return dtype
 
 
 def _replace(tmp: str, out: str) -> None:

@@ -118,6 +118,11 @@ def test_keys_prefix_dtype_and_overwrite(tmp_path):
         deltackpt.export(tmp_path / "s", 2, "torch", tmp_path / "x.pt", keys=["nothing/here"])
     with pytest.raises(ConvertError, match="format"):
         deltackpt.export(tmp_path / "s", 2, "onnx", tmp_path / "x")
+    # Floats convert to floats alone: to integers they would change value, to packed float4
+    # torch does not convert (it raised NotImplementedError from the copy).
+    for dtype in ("int64", "bool", torch.complex64, "float4_e2m1fn_x2"):
+        with pytest.raises(ConvertError, match="dtype must be a floating-point dtype torch converts floats to"):
+            deltackpt.export(tmp_path / "s", 2, "torch", tmp_path / "x.pt", dtype=dtype)
     assert not os.path.exists(tmp_path / "x.pt")
     assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []  # no temp left behind
 
