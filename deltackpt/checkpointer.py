@@ -40,7 +40,7 @@ from .ops.compaction import CompactInfo, compact
 from .ops.gc import GCReport, Retention, collect
 from .ops.lease import DEFAULT_TTL
 from .ops.verify import VerifyReport, verify
-from .policy import BasePolicy, ChainState, EveryK
+from .policy import BasePolicy, ChainState, EveryK, check_policy
 from .quantization import QuantizePlan, Rule
 from .restore.load import read_step
 from .restore.restorer import restore
@@ -124,7 +124,7 @@ class Checkpointer:
                 raise SettingError(f"{name} must be a positive int, got {value!r}")
         if memory_budget < 2 * chunk_bytes:
             raise SettingError(f"memory_budget ({memory_budget}) must hold two chunks of {chunk_bytes} B")
-        self.policy: BasePolicy = policy if policy is not None else EveryK(base_every)
+        self.policy: BasePolicy = check_policy(policy) if policy is not None else EveryK(base_every)
         self._quantize = QuantizePlan(quantize)  # and the restores made, carried through records
         self._coll = Collective(process_group, timeout=timeout, coordinator_rank=coordinator_rank)
         self.store = Store(open_storage(path, storage_options))

@@ -54,6 +54,14 @@ class BasePolicy(Protocol):
         """Args: the chain so far, the bytes the delta would write, the bytes of a full base."""
 
 
+def check_policy(policy: object, name: str = "policy") -> BasePolicy:
+    """``policy``, if it is one (a ``decide`` method and a ``name``); else SettingError."""
+    if not callable(getattr(policy, "decide", None)) or not isinstance(getattr(policy, "name", None), str):
+        raise SettingError(f"{name} must be a policy (EveryK, Differential, ChainLimit...: an object "
+                           f"with decide() and a name), got {policy!r}")
+    return policy  # type: ignore[return-value]  # checked just above
+
+
 @dataclass(frozen=True)
 class EveryK:
     """A base every ``every`` saves, or when a delta would exceed ``max_delta_fraction`` of a base.
@@ -123,6 +131,9 @@ class Differential:
     name: str = "differential"
     differential: bool = True
 
+    def __post_init__(self) -> None:
+        check_policy(self.inner, "inner")
+
     def decide(self, chain: ChainState, delta_bytes: int, full_bytes: int) -> Decision:
         d = self.inner.decide(chain, delta_bytes, full_bytes)
         return Decision(d.kind, f"{d.reason} (relative to the base)")
@@ -145,6 +156,7 @@ class ChainLimit:
     def __post_init__(self) -> None:
         if not isinstance(self.max_deltas, int) or self.max_deltas < 0:
             raise SettingError(f"max_deltas must be a non-negative int, got {self.max_deltas!r}")
+        check_policy(self.inner, "inner")
 
     @property
     def differential(self) -> bool:

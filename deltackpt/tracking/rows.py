@@ -94,6 +94,8 @@ class RowTracker:
     """
 
     def __init__(self, declared: Mapping[str, str] | None = None) -> None:
+        if declared is not None and not isinstance(declared, Mapping):
+            raise StateError(f"aligned must map flat keys to their tables' flat keys, got {declared!r}")
         self.declared = dict(declared or {})
         for key, table in self.declared.items():
             if not isinstance(key, str) or not isinstance(table, str) or key == table:

@@ -143,6 +143,8 @@ def test_a_declaration_that_does_not_fit_is_refused_naming_the_key(acc, table, w
             ckpt.save(0, {"model": {"emb": table}, "optim": {"acc": acc}})
     with pytest.raises(StateError, match="aligned"):
         Checkpointer(MemoryStorage(), aligned={"optim/acc": "optim/acc"})
+    with pytest.raises(StateError, match="aligned must map flat keys"):  # was a bare ValueError
+        Checkpointer(MemoryStorage(), aligned=["optim/acc"])
 
 
 @pytest.mark.parametrize("first_aligned", [False, True])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 
@@ -58,8 +60,11 @@ def test_chain_limit(store_path):
 
 @pytest.mark.parametrize("make", [lambda: EveryK(every=0), lambda: Intermittent(0),
                                   lambda: ChainLimit(-1), lambda: EveryK(max_delta_fraction=2),
-                                  lambda: Retention(keep_last=0), lambda: Retention(keep_every=1.5)])
+                                  lambda: Retention(keep_last=0), lambda: Retention(keep_every=1.5),
+                                  lambda: Differential(None), lambda: ChainLimit(2, inner="every_k"),
+                                  lambda: Checkpointer(tempfile.mkdtemp(), policy=10)])
 def test_bad_settings(make):
+    # Refused where they are made: a policy that is none failed at the first delta, AttributeError.
     with pytest.raises(SettingError):
         make()
 
