@@ -119,7 +119,7 @@ class Checkpointer:
     ):
         threads = torch.get_num_threads() if threads is None else threads
         for name, value in (("chunk_bytes", chunk_bytes), ("dense_chunk_bytes", dense_chunk_bytes),
-                            ("io_threads", io_threads), ("threads", threads)):
+                            ("memory_budget", memory_budget), ("io_threads", io_threads), ("threads", threads)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SettingError(f"{name} must be a positive int, got {value!r}")
         if memory_budget < 2 * chunk_bytes:

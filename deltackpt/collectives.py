@@ -41,8 +41,12 @@ class Collective:
 
     def __init__(self, process_group: Any = None, *, timeout: datetime.timedelta,
                  coordinator_rank: int = 0):
+        if not isinstance(timeout, datetime.timedelta) or timeout <= datetime.timedelta(0):
+            raise SettingError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
         self.group: Any = None
         self.rank, self.size = 0, 1
+        if process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+            raise SettingError(f"process_group must be a torch.distributed ProcessGroup, got {process_group!r}")
         if process_group is not None or (dist.is_available() and dist.is_initialized()):
             pg = process_group or dist.group.WORLD
             if dist.get_backend(pg) == "gloo":

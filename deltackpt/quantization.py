@@ -171,6 +171,8 @@ class QuantizePlan:
     """
 
     def __init__(self, rules: Mapping[str, Rule] | None):
+        if rules is not None and not isinstance(rules, Mapping):
+            raise QuantizationError(f"quantize must map patterns to rules, got {rules!r}")
         rules = dict(rules or {})
         for pattern, rule in rules.items():
             if not isinstance(pattern, str) or not pattern:

@@ -53,11 +53,15 @@ def open_storage(url: str | os.PathLike[str] | Storage,
         True
     """
     if not isinstance(url, (str, os.PathLike)):
+        if not hasattr(url, "capabilities"):
+            raise SettingError(f"a store is a path, a URL or a Storage, got {type(url).__name__}")
         if storage_options:
             raise SettingError(f"storage_options {sorted(storage_options)} given with a "
                                f"storage object ({url.url}); pass them to its constructor")
         return url
     path = os.fspath(url)
+    if not isinstance(path, str) or not path:
+        raise SettingError(f"a store's path must be a non-empty string, got {path!r}")
     scheme = path.split("://", 1)[0] if "://" in path else "file"
     opener = OPENERS.get(scheme)
     if opener is None:

@@ -27,6 +27,12 @@ def test_unknown_schemes_and_options_are_refused(tmp_path):
         open_storage("gopher://host/store")
     with pytest.raises(SettingError, match="takes no storage_options, got \\['anon'\\]"):
         open_storage(str(tmp_path), {"anon": True})
+    # An empty path (an unset variable, say) opened the working folder as a store; an object
+    # that is no storage failed later with an AttributeError.
+    with pytest.raises(SettingError, match="a store's path must be a non-empty string, got ''"):
+        open_storage("")
+    with pytest.raises(SettingError, match="a store is a path, a URL or a Storage, got int"):
+        open_storage(5)  # type: ignore[arg-type]
 
 
 def test_the_s3_client_loads_with_the_first_s3_url(tmp_path):

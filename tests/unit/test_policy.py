@@ -7,7 +7,7 @@ import tempfile
 import pytest
 import torch
 
-from deltackpt import Checkpointer, SettingError
+from deltackpt import Checkpointer, QuantizationError, SettingError
 from deltackpt.ops.gc import Retention
 from deltackpt.policy import ChainLimit, ChainState, Differential, EveryK, Intermittent
 from helpers import assert_same_state
@@ -62,10 +62,16 @@ def test_chain_limit(store_path):
                                   lambda: ChainLimit(-1), lambda: EveryK(max_delta_fraction=2),
                                   lambda: Retention(keep_last=0), lambda: Retention(keep_every=1.5),
                                   lambda: Differential(None), lambda: ChainLimit(2, inner="every_k"),
-                                  lambda: Checkpointer(tempfile.mkdtemp(), policy=10)])
+                                  lambda: Checkpointer(tempfile.mkdtemp(), policy=10),
+                                  lambda: Checkpointer(tempfile.mkdtemp(), memory_budget=1e9),
+                                  lambda: Checkpointer(tempfile.mkdtemp(), timeout=5.0),
+                                  lambda: Checkpointer(tempfile.mkdtemp(), process_group="gloo"),
+                                  lambda: Checkpointer(tempfile.mkdtemp(), quantize=["t"])])
 def test_bad_settings(make):
-    # Refused where they are made: a policy that is none failed at the first delta, AttributeError.
-    with pytest.raises(SettingError):
+    # Refused where they are made: a policy that is none failed at the first delta with an
+    # AttributeError, a float budget at the first save with a TypeError, the others with torch's
+    # or dict's ValueError.
+    with pytest.raises((SettingError, QuantizationError)):
         make()
 
 
