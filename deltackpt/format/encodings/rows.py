@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 Index = slice | torch.Tensor
 
+
 def put_rows(dest: torch.Tensor, at: torch.Tensor, rows: torch.Tensor) -> None:
     """``dest[at] = rows`` (CPU; ``at`` int64 row indices) on the calling thread.
 
