@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
@@ -143,6 +144,7 @@ class Checkpointer:
                             self._executor, self._sizes, self._quantize, take_over=take_over,
                             lease_ttl=lease_ttl)
         self._background = Background()
+        self._turn = threading.Lock()  # one save or restore at a time, whatever the thread
         warm_kernels()
         run_ahead(partial(self._pool.warm, 2))  # the two buffers any save may take, touched
 
@@ -177,8 +179,8 @@ class Checkpointer:
     def save(self, step: int, state: Mapping[str, Any], *, blocking: bool = True) -> SaveInfo | SaveHandle:
         """Saves ``state`` as ``step``: a base or a delta against the last step saved or restored.
 
-        Every rank of the process group calls it with the same step; each passes its own state
-        (its shards, and replicas of everything else). A save still in flight is waited for first.
+        Every rank calls it with the same step and its own state (its shards, replicas of the
+        rest); a save in flight, or another thread's save or restore, is waited for first.
 
         Args:
             step: the training step; must be after every committed step.
@@ -198,13 +200,14 @@ class Checkpointer:
                 saved go into the next save (raised by the next call after a background save).
             CheckpointAborted: on several ranks, any rank's failure, a dead or hung rank.
         """
-        self.wait()
-        t0 = time.perf_counter()
-        finish = self._saver.stage(step, state, t0, blocking=blocking)
-        if blocking:
-            return finish(None)
-        blocked = time.perf_counter() - t0
-        return self._background.start(step, blocked, partial(finish, blocked))
+        with self._turn:
+            self.wait()
+            t0 = time.perf_counter()
+            finish = self._saver.stage(step, state, t0, blocking=blocking)
+            if blocking:
+                return finish(None)
+            blocked = time.perf_counter() - t0
+            return self._background.start(step, blocked, partial(finish, blocked))
 
     def wait(self) -> SaveInfo | None:
         """Waits for the save in flight, if any, and returns what it wrote.
@@ -274,26 +277,25 @@ class Checkpointer:
                 may hold part of the step.
             CheckpointAborted: on several ranks, any rank's failure.
         """
-        self.wait()
-        self._saver.restored(None, ChainState(0, 0, 0))  # until it succeeds: no delta fits a part-read state
-        chain = restore(state, lambda: self._resolve(step), store=self.store, coll=self._coll, pool=self._pool,
-                        executor=self._executor, tracker=self._tracker)
-        m = chain[-1]
-        self._quantize.restored(m.quantize)
-        self._saver.restored(m, ChainState(m.chain_length, sum(c.bytes_written for c in chain[1:]),
-                                           chain[0].bytes_written))
-        return m.step
+        with self._turn:
+            self.wait()
+            self._saver.restored(None, ChainState(0, 0, 0))  # until it succeeds: no delta fits a part-read state
+            chain = restore(state, lambda: self._resolve(step), store=self.store, coll=self._coll, pool=self._pool,
+                            executor=self._executor, tracker=self._tracker)
+            m = chain[-1]
+            self._quantize.restored(m.quantize)
+            self._saver.restored(m, ChainState(m.chain_length, sum(c.bytes_written for c in chain[1:]),
+                                               chain[0].bytes_written))
+            return m.step
 
     def verify(self, step: int | None = None, progress: Callable[[int], None] = lambda n: None) -> VerifyReport:
         """Re-reads every chunk of ``step``'s chain (default: of every committed step) and checks
         sizes, checksums and parent links; returns what it found instead of raising."""
         self.wait()
         steps = self.steps()
-        if step is not None:
-            if step not in steps:
-                raise StepNotFoundError(step, steps)
-            steps = [step]
-        return verify(self.store, steps, self._pool, self._executor, progress)
+        if step is not None and step not in steps:
+            raise StepNotFoundError(step, steps)
+        return verify(self.store, steps if step is None else [step], self._pool, self._executor, progress)
 
     # -- compaction and GC ----------------------------------------------------------------------
 

@@ -85,7 +85,7 @@ class Background:
         """
         if self.closed:
             raise ClosedError("the Checkpointer is closed")
-        pending, self._pending = self._pending, None
+        pending = self._pending  # forgotten once it has ended: a wait on another thread waits too
         if pending is None:
             return None
         told = pending.reported  # a failure its handle already raised is not raised twice
@@ -95,6 +95,9 @@ class Background:
             if told:
                 return None
             raise
+        finally:
+            if self._pending is pending:
+                self._pending = None
 
     def close(self) -> None:
         """Waits for the thread to end (after :meth:`wait`)."""

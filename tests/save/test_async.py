@@ -216,6 +216,46 @@ def test_a_closed_checkpointer_refuses_every_call_but_close(tmp_path):
         assert torch.equal(again.load(1)["t"], t) and again.verify().ok
 
 
+THREADS_SAVING = """
+import random, sys, threading, torch
+from deltackpt import Checkpointer, StepExistsError
+ckpt = Checkpointer(sys.argv[1], chunk_bytes=4096, memory_budget=1 << 16, base_every=1000)
+base = torch.randn(2000, 16)
+ckpt.save(0, {"t": base.clone()})
+states, refused = {}, []
+def save(step):
+    t = base.clone()
+    t[step * 10 : step * 10 + 5] += step
+    states[step] = t
+    try:
+        ckpt.save(step, {"t": t}, blocking=step % 2 == 0)
+    except StepExistsError:  # another thread's later step committed first
+        refused.append(step)
+    if step % 3 == 0:
+        ckpt.restore({"t": torch.zeros(2000, 16)})
+threads = [threading.Thread(target=save, args=(step,)) for step in range(1, 25)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+ckpt.wait()
+committed = ckpt.steps()[1:]
+assert sorted(committed + refused) == list(range(1, 25)), (committed, refused)
+assert all(torch.equal(ckpt.load(s)["t"], states[s]) for s in committed)
+assert ckpt.verify().ok
+ckpt.close()
+print(len(committed))
+"""
+
+
+def test_saves_and_restores_from_several_threads_take_turns(tmp_path):
+    # At once, several threads' saves each held an I/O thread for its pack and all hung.
+    out = subprocess.run([sys.executable, "-c", THREADS_SAVING, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout) >= 1
+
+
 def test_interpreter_exit_finishes_the_save_in_flight(tmp_path):
     code = ("import sys, torch, deltackpt\n"
             "ckpt = deltackpt.Checkpointer(sys.argv[1], chunk_bytes=4096, memory_budget=16384)\n"
