@@ -140,9 +140,8 @@ class Checkpointer:
         workers = min(io_threads, threads)
         self._executor = started_pool(workers, "deltackpt-io")
         self._tracker = ChangeTracker(dense_chunk_bytes, Hasher(self._executor, workers), aligned)
-        self._saver = Saver(self.store, self._coll, self.policy, self._tracker, self._pool,
-                            self._executor, self._sizes, self._quantize, take_over=take_over,
-                            lease_ttl=lease_ttl)
+        self._saver = Saver(self.store, self._coll, self.policy, self._tracker, self._pool, self._executor,
+                            self._sizes, self._quantize, take_over=take_over, lease_ttl=lease_ttl)
         self._background = Background()
         self._turn = threading.Lock()  # one save or restore at a time, whatever the thread
         warm_kernels()
@@ -382,16 +381,17 @@ class Checkpointer:
         """Waits for the save in flight and pending I/O, releases the writer lease, the threads and
         the staging buffers (see :mod:`.io.staging`); raises the save's error, if any, at the end.
         Any later call but this one (which does nothing) raises :class:`~deltackpt.errors.ClosedError`."""
-        if self._background.closed:
-            return
-        try:
-            self.wait()
-        finally:
-            self._background.close()
-            self._saver.close()
-            self._executor.shutdown(wait=True)
-            self._pool.close()
-            self._coll.close()
+        with self._turn:  # after another thread's save or restore
+            if self._background.closed:
+                return
+            try:
+                self.wait()
+            finally:
+                self._background.close()
+                self._saver.close()
+                self._executor.shutdown(wait=True)
+                self._pool.close()
+                self._coll.close()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -256,6 +256,27 @@ def test_saves_and_restores_from_several_threads_take_turns(tmp_path):
     assert int(out.stdout) >= 1
 
 
+def test_close_on_another_thread_waits_for_a_save_under_way(tmp_path):
+    # It shut the I/O threads down under the save, which failed with a bare RuntimeError.
+    storage = GatedStorage(tmp_path)
+    t = torch.arange(4000.0).reshape(1000, 4)
+    ckpt = Checkpointer(storage, chunk_bytes=1024, memory_budget=8192)
+    storage.gate.clear()
+    saved: list[object] = []
+    saving = threading.Thread(target=lambda: saved.append(ckpt.save(1, {"t": t})))
+    saving.start()
+    closing = threading.Thread(target=ckpt.close)
+    closing.start()
+    closing.join(0.5)
+    assert closing.is_alive() and not saved  # the save holds its turn while its writes wait
+    storage.gate.set()
+    saving.join(60)
+    closing.join(60)
+    assert not closing.is_alive() and saved[0].kind == "base"
+    with Checkpointer(tmp_path, create=False) as again:
+        assert again.steps() == [1] and torch.equal(again.load(1)["t"], t)
+
+
 def test_interpreter_exit_finishes_the_save_in_flight(tmp_path):
     code = ("import sys, torch, deltackpt\n"
             "ckpt = deltackpt.Checkpointer(sys.argv[1], chunk_bytes=4096, memory_budget=16384)\n"
