@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from . import statetree
-from .errors import ManifestError, MissingChunkError, StepNotFoundError, StreamGapError
+from .errors import ManifestError, MissingChunkError, SettingError, StepNotFoundError, StreamGapError
 from .format import dtypes
 from .format.manifest import Manifest, PartRecord, TensorRecord
 from .io.reader import ChainReader
@@ -124,7 +124,10 @@ def deltas(store: Store, pool: StagingPool, executor: Executor, since: int | Non
     Raises:
         StreamGapError: the steps after the consumer's were garbage-collected.
         BrokenChainError, IntegrityError: the store is damaged.
+        SettingError: ``since`` is no int.
     """
+    if since is not None and (not isinstance(since, int) or isinstance(since, bool)):
+        raise SettingError(f"since must be a step (an int) or None, got {since!r}")
     prev = since
     prev_attempt = _attempt(store, since)
     while True:

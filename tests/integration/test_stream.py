@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from deltackpt import Checkpointer, StreamGapError
+from deltackpt import Checkpointer, SettingError, StreamGapError
 from deltackpt.cli import main
 from deltackpt.ops.gc import Retention
 from deltackpt.policy import Differential, EveryK
@@ -144,6 +144,14 @@ def test_tail_out_refuses_a_dtype_safetensors_cannot_hold_in_one_line(tmp_path, 
     assert err == "deltackpt: error: c: safetensors cannot hold torch.complex128; follow the stream as JSON lines instead\n"
     assert main(["tail", str(tmp_path / "s")]) == 0  # as JSON lines, every dtype
     assert json.loads(capsys.readouterr().out)["changes"][0]["dtype"] == "complex128"
+
+
+def test_a_stream_from_a_step_that_is_no_int_is_refused(tmp_path):
+    with Checkpointer(tmp_path / "s") as ckpt:
+        ckpt.save(1, {"t": torch.zeros(5)})
+        for since in ("1", 1.0, True):  # "1" failed with a ValueError formatting the step
+            with pytest.raises(SettingError, match="since must be a step"):
+                list(ckpt.deltas(since=since))
 
 
 def test_quantized_deltas_stream_and_partial_loads_as_load_decodes_them(tmp_path):
