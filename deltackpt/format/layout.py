@@ -13,8 +13,11 @@ ROOT/writer.lease                     who may commit steps (see deltackpt.ops.le
 
 from __future__ import annotations
 
+import operator
 import re
 from typing import TYPE_CHECKING
+
+from ..errors import SettingError
 
 if TYPE_CHECKING:
     from .manifest import Manifest, PartRecord
@@ -27,12 +30,21 @@ RECORD_NAME = re.compile(r"([0-9]{20})\.json", re.ASCII)  # whole names only: us
 
 
 def commit_key(step: int) -> str:
-    return f"{COMMITS}/{step:020d}.json"
+    return f"{COMMITS}/{_digits(step)}.json"
 
 
 def base_key(step: int) -> str:
     """The record of the base that compaction made for ``step``."""
-    return f"{BASES}/{step:020d}.json"
+    return f"{BASES}/{_digits(step)}.json"
+
+
+def _digits(step: int) -> str:
+    """A record's name for ``step`` (any int, numpy's too); a step given as a string or a float
+    is refused (formatting it failed with a ValueError)."""
+    try:
+        return f"{operator.index(step):020d}"
+    except TypeError:
+        raise SettingError(f"a step is an int, got {step!r}") from None
 
 
 def chunk_key(index: int, ndim: int) -> str:
