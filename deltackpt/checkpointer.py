@@ -143,7 +143,7 @@ class Checkpointer:
         self._saver = Saver(self.store, self._coll, self.policy, self._tracker, self._pool, self._executor,
                             self._sizes, self._quantize, take_over=take_over, lease_ttl=lease_ttl)
         self._background = Background()
-        self._turn = threading.Lock()  # one save or restore at a time, whatever the thread
+        self._turn = threading.RLock()  # one save or restore at a time, whatever the thread
         warm_kernels()
         run_ahead(partial(self._pool.warm, 2))  # the two buffers any save may take, touched
 
