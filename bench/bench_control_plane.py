@@ -53,10 +53,11 @@ from deltackpt.collector import paused
 from deltackpt.format import dtypes
 from deltackpt.format.encodings import choose, dense_chunk_elems, in_pack
 from deltackpt.format.layout import commit_key, pack_name
+from deltackpt.format.lazy_records import TableReader
 from deltackpt.format.limits import BLOSC_HEADER
 from deltackpt.format.manifest import ChunkMap, Manifest
 from deltackpt.format.record_checks import parse_manifest
-from deltackpt.format.record_io import TableReader, checksum
+from deltackpt.format.record_io import checksum
 from deltackpt.format.zarr_meta import array_doc
 from deltackpt.policy import BasePolicy, ChainState, EveryK
 from deltackpt.save.commit import Reuse, part_table, record_root

@@ -160,7 +160,7 @@ def deltas(store: Store, pool: StagingPool, executor: Executor, since: int | Non
 
 def _whole(store: Store, step: int, pool: StagingPool, executor: Executor) -> tuple[TensorDelta, ...]:
     chain = store.chain(step)
-    reader = ChainReader(store.storage, chain, pool, executor)
+    reader = ChainReader(store.storage, chain, pool, executor, chain[-1].tensors.keys())
     out = []
     for key, rec in chain[-1].tensors.items():
         t = torch.empty(rec.shape, dtype=dtypes.from_name(rec.dtype))

@@ -217,6 +217,7 @@ class Table:
     chunk_at: np.ndarray  # first chunk of each part
     by_tensor: dict[int, np.ndarray]  # tensor index -> its parts' rows
     idle: np.ndarray  # by tensor index: none of its parts here changed a row or lists a chunk
+    held: np.ndarray  # by tensor index: how many of its parts this table holds
     _lists: dict[str, list[int]] = field(default_factory=dict, compare=False, repr=False)
 
     def columns(self) -> dict[str, list[int]]:
@@ -332,7 +333,18 @@ def decode_table(data: bytes, where: str, rank: int, ndims: Sequence[int],
     dim_at = np.concatenate(([0], np.cumsum(per_part)[:-1])).astype(np.int64) if parts else np.zeros(0, np.int64)
     idle = np.ones(len(ndims), bool)
     idle[tensor[(cols["changed"] != 0) | (cols["nchunks"] != 0)]] = False
-    return Table(rank, where, cols, dim_at, chunk_at, by_tensor, idle)
+    return Table(rank, where, cols, dim_at, chunk_at, by_tensor, idle, np.bincount(tensor, minlength=len(ndims)))
+
+
+def idle_in(tables: Sequence[Table], at: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Whether each tensor of index ``at`` is idle in every one of ``tables`` (those of the
+    ranks it lists), which hold its ``counts`` parts between them."""
+    idle = np.ones(len(at), bool)
+    held = np.zeros(len(at), np.int64)
+    for table in tables:
+        idle &= table.idle[at] & (table.held[at] > 0)
+        held += table.held[at]
+    return idle & (held == counts)
 
 
 def check_parts(rec: TensorRecord, where: str) -> None:

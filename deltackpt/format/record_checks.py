@@ -24,7 +24,8 @@ from .limits import MAX_DEPTH, MAX_STEP, key_problem, unique_keys
 from .lossy import Lossy
 from .manifest import FORMATS, KINDS, LOSSY_FORMAT, ChunkMap, Manifest, StepSummary, TensorRecord
 from .part_layout import PartLayout, parse_layout
-from .record_io import Heads, TableReader, TensorHead, check_seal, lazy_tensors
+from .lazy_records import Heads, TableReader, TensorHead, lazy_tensors
+from .record_io import check_seal
 
 MAX_RANKS = 1 << 24  # ranks one tensor's parts may come from
 

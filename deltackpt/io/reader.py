@@ -13,7 +13,7 @@ pool, which bounds the memory a restore adds to the tensors it fills.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Executor
 from functools import partial
 
@@ -24,6 +24,7 @@ from ..errors import IntegrityError
 from ..format import dtypes
 from ..format.encodings import Job
 from ..format.layout import chunk_key, chunk_path
+from ..format.lazy_records import LazyTensors
 from ..format.manifest import Manifest, PartRecord, TensorRecord
 from ..format.zarr_meta import decode
 from ..sharding import Box
@@ -44,6 +45,15 @@ def whole(shape: tuple[int, ...]) -> Box:
     return Box((0,) * len(shape), tuple(shape))
 
 
+def _idle(m: Manifest, keys: Collection[str], like: Manifest) -> frozenset[str]:
+    """Of ``keys``, those ``m`` left as they were, whatever the box read, told at once (of
+    records read from a store; of others, none)."""
+    ours, theirs = m.tensors, like.tensors
+    if keys and isinstance(ours, LazyTensors) and isinstance(theirs, LazyTensors):
+        return ours.idle(keys, theirs)
+    return frozenset()
+
+
 class ChainReader:
     """Replays tensors of one chain.
 
@@ -52,13 +62,18 @@ class ChainReader:
         chain: the records from the base to the step to read (see ``Store.chain``).
         pool: staging buffers.
         executor: the I/O threads.
+        keys: the tensors the reader will read, where it reads many (say a load's): the records
+            that left them as they were are told apart at once, here (most of a delta's, in a
+            chain of a state of thousands of tensors), and a read skips them unlooked at.
     """
 
-    def __init__(self, storage: Storage, chain: list[Manifest], pool: StagingPool, executor: Executor):
+    def __init__(self, storage: Storage, chain: list[Manifest], pool: StagingPool, executor: Executor,
+                 keys: Collection[str] = ()):
         self._storage = storage
         self._chain = chain
         self._pool = pool
         self._executor = executor
+        self._idle = [_idle(m, keys, chain[-1]) for m in chain[:-1]]
         self._ids: dict[tuple[int, str, str], torch.Tensor] = {}  # a delta part's row ids
         self._sized: set[str] = set()  # pack files whose size was checked
         # Per thread (an export reads ahead on a second one): whether the tensor it reads is
@@ -98,10 +113,12 @@ class ChainReader:
             self._small.here = False
 
     def _read(self, key: str, dest: torch.Tensor, box: Box, hashes: RowHashes | None) -> None:
-        recs = [self._checked(m, key, dest, box) for m in self._chain]
-        start = max((i for i, r in enumerate(recs) if r.encoding.whole), default=0)
-        steps = list(zip(self._chain, recs))[start:]
-        base, deltas = (steps[0], steps[1:]) if recs[start].encoding.whole else (None, steps)
+        # Each record but the last that left the tensor as it was is skipped unlooked at.
+        recs = [(m, self._checked(m, key, dest, box)) for m, idle in zip(self._chain, [*self._idle, ()])
+                if key not in idle]
+        start = max((i for i, (_, r) in enumerate(recs) if r.encoding.whole), default=0)
+        steps = recs[start:]
+        base, deltas = (steps[0], steps[1:]) if steps[0][1].encoding.whole else (None, steps)
         # A delta that left the tensor as it was is skipped before its parts are built (a
         # chain of a state of many tensors holds thousands of them a delta).
         deltas = [(m, rec) for m, rec in reversed(deltas) if not rec.untouched(box)]

@@ -122,16 +122,15 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
     m = work.chain[-1]
 
     def write() -> tuple[dict[tuple[str, str], ChunkMap], dict[str, ChunkMap]]:
-        reader = ChainReader(store.storage, work.chain, pool, executor)
+        mine = [unit for i, unit in enumerate(work.units) if i % coll.size == coll.rank]
+        reader = ChainReader(store.storage, work.chain, pool, executor, {key for key, _, _, _ in mine})
         writer = StepWriter(store.storage, f"{STEPS}/{work.attempt}", pool, executor,
                             pack=pack_name(coll.rank))
         # Blocks come from a pool of their own: reads wait on the main pool, and a read must
         # never wait for a block that a queued write would free.
         blocks = StagingPool(2, sizes[0])
         try:
-            for i, (key, lo, n, packed) in enumerate(work.units):
-                if i % coll.size != coll.rank:
-                    continue
+            for key, lo, n, packed in mine:
                 rec = m.tensors[key]
                 dt = dtypes.from_name(rec.dtype)
                 box = Box((lo, *(0,) * (len(rec.shape) - 1)), (n, *rec.shape[1:])) if rec.shape else Box((), ())

@@ -117,7 +117,7 @@ class Snapshot:
         self._buffers: list[torch.Tensor] = []
         self._reader = ChainReader(self.store.storage, self.chain,
                                    StagingPool(max(2, (memory_budget - self.block_bytes) // chunk), chunk),
-                                   self._executor)
+                                   self._executor, self.manifest.tensors.keys())
 
     @property
     def step(self) -> int:

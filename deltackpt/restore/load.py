@@ -54,7 +54,7 @@ def _read_from(storage: Storage, chain: list[Manifest], *, pool: StagingPool, ex
         return read_rows(storage, chain, pool, executor, key, rows)
     m = chain[-1]
     chosen = set(select_keys(m.tensors, keys)) if keys is not None else set(m.tensors)
-    reader = ChainReader(storage, chain, pool, executor)
+    reader = ChainReader(storage, chain, pool, executor, chosen)
     out: dict[str, Any] = {}
     for key, rec in m.tensors.items():
         if key not in chosen:

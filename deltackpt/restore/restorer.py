@@ -61,7 +61,8 @@ def restore(state: Mapping[str, Any], step_of: Callable[[], int], *, store: Stor
         last = through[-1]
         planned = plan if last is m else plan_restore(state, last, partial=coll.size > 1)
         live = {k: s.local for k, s in statetree.flatten(state).tensors.items()}
-        hashes = fill(planned, last, ChainReader(store.storage, through, pool, executor), tracker.row_hashed(live))
+        reader = ChainReader(store.storage, through, pool, executor, planned.covered)
+        hashes = fill(planned, last, reader, tracker.row_hashed(live))
         # Flattened again: loading an optimizer's state replaces its tensors.
         tracker.reset({k: s.local.contiguous() for k, s in statetree.flatten(state).tensors.items()}, hashes)
         return through

@@ -35,7 +35,8 @@ from ..format.manifest import (
 from ..format.part_tables import Entry, Unchanged, encode_table
 from ..format.part_layout import PartLayout
 from ..format.record_checks import pack_room
-from ..format.record_io import Heads, TensorHead, checksum, encode_root, lazy_tensors, tensor_entries
+from ..format.lazy_records import Heads, TensorHead, lazy_tensors
+from ..format.record_io import checksum, encode_root, tensor_entries
 from ..format.zarr_meta import array_doc
 from ..ops.gc import holder_chain
 from ..ops.lease import Holding

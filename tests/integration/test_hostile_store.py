@@ -295,6 +295,24 @@ def test_verify_refuses_a_delta_whose_tensor_shape_differs_from_its_base(store):
     assert "[64, 16] at step 1, float32 [64, 8] in its base, step 0" in problems[0].detail
 
 
+def test_a_delta_that_left_a_tensor_as_it_was_cannot_give_it_another_shape(tmp_path):
+    """Step 1 leaves ``dense`` as it was, and a load through it to step 2 skips its record of
+    ``dense`` unread: skipped only once it gives the shape of the step read."""
+    with Checkpointer(tmp_path, chunk_bytes=128, memory_budget=1 << 16) as ckpt:
+        s = state(0)
+        for step in range(3):
+            s["table"][step] += 1
+            ckpt.save(step, s)
+    doc = read_record(tmp_path, 1)
+    assert not any(p["changed"] or p["chunks"] for p in doc["tensors"]["dense"]["parts"])
+    doc["tensors"]["dense"]["shape"] = [50]
+    doc["tensors"]["dense"]["parts"][0]["shape"] = [50]
+    write_record(tmp_path, 1, doc)
+    with Checkpointer(tmp_path, create=False) as ckpt:
+        with pytest.raises(IntegrityError, match="shape differs along the chain"):
+            ckpt.load(2)
+
+
 @pytest.mark.parametrize("where", ["record", "chunk"])
 def test_fifo_instead_of_a_file_does_not_hang(store, where):
     doc = read_record(store, 0)

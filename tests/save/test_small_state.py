@@ -41,6 +41,28 @@ def test_one_element_of_tensor_17345_of_20000_is_found(store_path):
         assert_same_state(ckpt.load(2), state)
 
 
+def test_a_load_through_deltas_looks_only_at_what_each_changed(store_path, monkeypatch):
+    # Each delta of a state of many tensors leaves most as they were: a load tells those apart
+    # from the delta's part tables at once, and makes no record of them (it looked at each).
+    from deltackpt.format.lazy_records import LazyTensors
+
+    state = tiny_state(400)
+    with Checkpointer(store_path, policy=EveryK(100)) as ckpt:
+        for step in range(5):  # a base, then deltas changing one tensor each
+            state[f"t{4 * step + 1}"][0] += 1
+            ckpt.save(step, state)
+    asked = set()
+    made = LazyTensors.__getitem__
+    monkeypatch.setattr(LazyTensors, "__getitem__", lambda self, key: asked.add((id(self), key)) or made(self, key))
+    with Checkpointer(store_path) as ckpt:
+        assert_same_state(ckpt.load(4), state)
+    by_key = {}
+    for _, key in asked:
+        by_key[key] = by_key.get(key, 0) + 1
+    assert by_key["t0"] == 2  # of the base's and the last step's records
+    assert [by_key[f"t{4 * step + 1}"] for step in range(5)] == [2, 3, 3, 3, 2]
+
+
 def test_a_kept_plan_sees_swapped_data_new_objects_and_skeleton_types(store_path):
     weight = torch.nn.Parameter(torch.ones(4, 3), requires_grad=False)
     grid = torch.arange(24, dtype=torch.float32).reshape(4, 6)
