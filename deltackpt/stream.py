@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from . import statetree
-from .errors import ManifestError, MissingChunkError, SettingError, StepNotFoundError, StreamGapError
+from .errors import ManifestError, MissingChunkError, StepNotFoundError, StreamGapError
 from .format import dtypes
+from .format.layout import as_step
 from .format.manifest import Manifest, PartRecord, TensorRecord
 from .io.reader import ChainReader
 from .io.staging import StagingPool
@@ -124,12 +125,10 @@ def deltas(store: Store, pool: StagingPool, executor: Executor, since: int | Non
     Raises:
         StreamGapError: the steps after the consumer's were garbage-collected.
         BrokenChainError, IntegrityError: the store is damaged.
-        SettingError: ``since`` is no int.
+        SettingError: ``since`` is no step (see :func:`~deltackpt.format.layout.as_step`).
     """
-    if since is not None and (not isinstance(since, int) or isinstance(since, bool)):
-        raise SettingError(f"since must be a step (an int) or None, got {since!r}")
-    prev = since
-    prev_attempt = _attempt(store, since)
+    prev = None if since is None else as_step(since)
+    prev_attempt = _attempt(store, prev)
     while True:
         later = [s for s in store.steps() if prev is None or s > prev]
         if not later:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import SettingError
 
@@ -38,13 +38,20 @@ def base_key(step: int) -> str:
     return f"{BASES}/{_digits(step)}.json"
 
 
+def as_step(step: Any) -> int:
+    """``step`` as an int (numpy's ints are steps); a bool, a string or a float is refused."""
+    if not isinstance(step, bool):
+        try:
+            return operator.index(step)
+        except TypeError:
+            pass
+    raise SettingError(f"a step is an int, got {step!r}")
+
+
 def _digits(step: int) -> str:
-    """A record's name for ``step`` (any int, numpy's too); a step given as a string or a float
-    is refused (formatting it failed with a ValueError)."""
-    try:
-        return f"{operator.index(step):020d}"
-    except TypeError:
-        raise SettingError(f"a step is an int, got {step!r}") from None
+    """A record's name for ``step`` (see :func:`as_step`: formatting a string or a float as one
+    failed with a ValueError)."""
+    return f"{as_step(step):020d}"
 
 
 def chunk_key(index: int, ndim: int) -> str:

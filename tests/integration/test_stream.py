@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -150,8 +151,10 @@ def test_a_stream_from_a_step_that_is_no_int_is_refused(tmp_path):
     with Checkpointer(tmp_path / "s") as ckpt:
         ckpt.save(1, {"t": torch.zeros(5)})
         for since in ("1", 1.0, True):  # "1" failed with a ValueError formatting the step
-            with pytest.raises(SettingError, match="since must be a step"):
+            with pytest.raises(SettingError, match=f"a step is an int, got {since!r}"):
                 list(ckpt.deltas(since=since))
+        ckpt.save(2, {"t": torch.ones(5)})
+        assert [d.step for d in ckpt.deltas(since=np.int64(1))] == [2]  # was refused
 
 
 def test_quantized_deltas_stream_and_partial_loads_as_load_decodes_them(tmp_path):

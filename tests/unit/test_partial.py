@@ -120,7 +120,7 @@ def test_keys_select_by_name_prefix_and_glob(tmp_path):
             ckpt.load(2, row_shard=(2, 2))
         with pytest.raises(SettingError, match=r"world_size must be >= 1, got 0"):
             ckpt.load(2, row_shard=(0, 0))
-        for step in ("2", 2.0):  # formatting the record's name failed with a ValueError
+        for step in ("2", 2.0, True):  # formatting the record's name failed with a ValueError; True was step 1
             with pytest.raises(SettingError, match=f"a step is an int, got {step!r}"):
                 ckpt.load(step)
             with pytest.raises(SettingError, match=f"a step is an int, got {step!r}"):
