@@ -291,10 +291,7 @@ class Checkpointer:
         """Re-reads every chunk of ``step``'s chain (default: of every committed step) and checks
         sizes, checksums and parent links; returns what it found instead of raising."""
         self.wait()
-        steps = self.steps()
-        if step is not None and step not in steps:
-            raise StepNotFoundError(step, steps)
-        return verify(self.store, steps if step is None else [step], self._pool, self._executor, progress)
+        return verify(self.store, step, self._pool, self._executor, progress)
 
     # -- compaction and GC ----------------------------------------------------------------------
 

@@ -8,16 +8,23 @@ more problem on the list, never the end of the run.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 
-from ..errors import BrokenChainError, DeltackptError, IntegrityError, ManifestError, MissingChunkError
+from ..errors import (
+    BrokenChainError,
+    DeltackptError,
+    IntegrityError,
+    ManifestError,
+    MissingChunkError,
+    StepNotFoundError,
+)
 from ..format.grid import chunk_bytes
-from ..format.layout import STEPS, chunk_path
+from ..format.layout import STEPS, as_step, chunk_path
 from ..format.manifest import Manifest, PartRecord, TensorRecord
 from ..format.zarr_meta import decode
 from ..io.fetch import fetch, fetch_file_in_pieces, file_size, stored_size
@@ -61,20 +68,30 @@ class VerifyReport:
 
 def verify(
     store: Store,
-    steps: Iterable[int],
+    step: int | None,
     pool: StagingPool,
     executor: Executor,
     progress: Callable[[int], None] = lambda n: None,
 ) -> VerifyReport:
-    """Re-reads every chunk of the chains of ``steps``; each record's chunks are read once.
+    """Re-reads every chunk of the chain of ``step`` (None: of every committed step); each
+    record's chunks are read once.
 
     Args:
         store: the store.
-        steps: committed steps to check.
+        step: the committed step to check, or None.
         pool: staging buffers for the reads.
         executor: I/O threads.
         progress: called with the bytes of each chunk checked.
+
+    Raises:
+        SettingError: ``step`` is no step (see :func:`~deltackpt.format.layout.as_step`).
+        StepNotFoundError: ``step`` is not committed.
     """
+    steps = store.steps()
+    if step is not None:
+        if (step := as_step(step)) not in steps:
+            raise StepNotFoundError(step, steps)
+        steps = [step]
     report = VerifyReport()
     checked: dict[int, list[Problem]] = {}
     for step in steps:

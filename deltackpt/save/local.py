@@ -23,11 +23,11 @@ def plan_local(step: int, state: Mapping[str, Any], rank: int, sizes: tuple[int,
     unchanged layout does no per-tensor planning.
 
     Raises:
-        StepExistsError: ``step`` is not an int in ``[0, MAX_STEP]`` (records name steps by 20
-            digits, and readers hold them as int64).
+        StepExistsError: ``step`` is not in ``[0, MAX_STEP]`` (records name steps by 20 digits,
+            and readers hold them as int64).
         StateError: ``state`` holds something that cannot be saved.
     """
-    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+    if not 0 <= step <= MAX_STEP:
         raise StepExistsError(f"step must be an int in [0, {MAX_STEP}], got {step!r}")
     flat = statetree.flatten(state, reuse=None if last is None else last.flat)
     # A tensor whose bytes are not its values in order is copied now (its conjugate or negative

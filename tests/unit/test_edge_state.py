@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import enum
 
+import numpy as np
 import pytest
 import torch
 from helpers import assert_same_state, same_bits
 
-from deltackpt import Checkpointer, StateError, StepExistsError
+from deltackpt import Checkpointer, SettingError, StateError, StepExistsError, StepNotFoundError
 from deltackpt.format import dtypes
 
 
@@ -51,6 +52,25 @@ def _nested(depth: int) -> dict:
     for i in range(depth - 1):
         node = {f"k{i}": node}
     return node
+
+
+def test_a_step_is_any_int_numpys_too_and_nothing_else(store_path):
+    # save refused numpy ints with a StepExistsError and verify took True for step 1; the
+    # bad steps are SettingErrors, as load's, and a numpy step is an int in what comes back.
+    with Checkpointer(store_path) as ckpt:
+        info = ckpt.save(np.int64(1), {"w": torch.ones(3)})
+        handle = ckpt.save(np.int32(2), {"w": torch.zeros(3)}, blocking=False)
+        assert type(handle.step) is int and handle.result().step == 2
+        assert type(info.step) is int and ckpt.steps() == [1, 2]
+        for bad in (True, 3.0, "3"):
+            with pytest.raises(SettingError, match=f"a step is an int, got {bad!r}"):
+                ckpt.save(bad, {"w": torch.ones(3)})
+            with pytest.raises(SettingError, match=f"a step is an int, got {bad!r}"):
+                ckpt.verify(bad)
+        assert ckpt.steps() == [1, 2]
+        assert ckpt.verify(np.int64(1)).ok and ckpt.verify(1).steps == [1]
+        with pytest.raises(StepNotFoundError, match="step 5 is not committed"):
+            ckpt.verify(5)
 
 
 def test_deepest_nesting_that_saves_also_loads(store_path):
