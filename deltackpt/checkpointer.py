@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
@@ -47,6 +46,7 @@ from .restore.load import read_step
 from .restore.restorer import restore
 from .save.pending import Background, SaveHandle
 from .save.saver import Saver
+from .save.turn import Turn
 from .save.types import SaveInfo
 from .storage import Storage, open_storage
 from .store import Store
@@ -143,7 +143,7 @@ class Checkpointer:
         self._saver = Saver(self.store, self._coll, self.policy, self._tracker, self._pool, self._executor,
                             self._sizes, self._quantize, take_over=take_over, lease_ttl=lease_ttl)
         self._background = Background()
-        self._turn = threading.RLock()  # one save or restore at a time, whatever the thread
+        self._turn = Turn()  # one save, restore or close at a time, whatever the thread
         warm_kernels()
         run_ahead(partial(self._pool.warm, 2))  # the two buffers any save may take, touched
 
@@ -199,7 +199,7 @@ class Checkpointer:
                 saved go into the next save (raised by the next call after a background save).
             CheckpointAborted: on several ranks, any rank's failure, a dead or hung rank.
         """
-        with self._turn:
+        with self._turn("save"):
             self.wait()
             t0 = time.perf_counter()
             finish = self._saver.stage(step, state, t0, blocking=blocking)
@@ -276,7 +276,7 @@ class Checkpointer:
                 may hold part of the step.
             CheckpointAborted: on several ranks, any rank's failure.
         """
-        with self._turn:
+        with self._turn("restore"):
             self.wait()
             self._saver.restored(None, ChainState(0, 0, 0))  # until it succeeds: no delta fits a part-read state
             chain = restore(state, lambda: self._resolve(step), store=self.store, coll=self._coll, pool=self._pool,
@@ -378,7 +378,7 @@ class Checkpointer:
         """Waits for the save in flight and pending I/O, releases the writer lease, the threads and
         the staging buffers (see :mod:`.io.staging`); raises the save's error, if any, at the end.
         Any later call but this one (which does nothing) raises :class:`~deltackpt.errors.ClosedError`."""
-        with self._turn:  # after another thread's save or restore
+        with self._turn("close"):  # after another thread's save or restore
             if self._background.closed:
                 return
             try:

@@ -153,6 +153,12 @@ class HookClosedError(ClosedError):
     """A :class:`~deltackpt.CheckpointHook` was used after it was closed."""
 
 
+class ReentrantCallError(DeltackptError, RuntimeError):
+    """A save, restore or close of a :class:`~deltackpt.Checkpointer` was called on the thread
+    whose own save, restore or close it interrupted (from a signal handler): it cannot run
+    there, inside that call. Note the request in the handler and act on it after."""
+
+
 # Errors about the request itself rather than a rank's failure: the coordinator raises them the
 # same way on every rank (a restore of an unknown step is a StepNotFoundError everywhere).
 REQUEST_ERRORS = (StepNotFoundError, StepExistsError, StateError, BrokenChainError, ManifestError,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from deltackpt import Checkpointer, ClosedError, LocalStorage, StoreError, kernels
+from deltackpt import Checkpointer, ClosedError, LocalStorage, ReentrantCallError, StoreError, kernels
 from deltackpt.save.pending import SaveHandle
 from deltackpt.storage import FaultInjection
 from faults import HeldWrites
@@ -254,6 +254,35 @@ def test_saves_and_restores_from_several_threads_take_turns(tmp_path):
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert int(out.stdout) >= 1
+
+
+def test_a_save_restore_or_close_inside_a_save_on_its_thread_is_refused(tmp_path, monkeypatch):
+    # As a signal handler's runs, on the thread whose save it interrupted: such a save waited
+    # for itself on a lock the interrupted one held (the lease's, a pool's) or ran on.
+    from deltackpt.save import saver
+
+    t = torch.arange(4000.0).reshape(1000, 4)
+    refused: list[str] = []
+    scan = saver.scan
+
+    def inside(*args, **kwargs):  # the save's change scan, on the saving thread
+        if not refused:
+            for what, call in (("save", lambda: ckpt.save(3, {"t": t})), ("restore", lambda: ckpt.restore({"t": t})),
+                               ("close", ckpt.close)):
+                with pytest.raises(ReentrantCallError, match=f"{what} was called inside this thread's save"):
+                    call()
+                refused.append(what)
+        return scan(*args, **kwargs)
+
+    monkeypatch.setattr(saver, "scan", inside)
+    ckpt = Checkpointer(tmp_path, chunk_bytes=1024, memory_budget=8192)
+    assert ckpt.save(1, {"t": t}).kind == "base"  # the save they were called in goes on
+    assert refused == ["save", "restore", "close"]
+    t[5] += 1
+    assert ckpt.save(2, {"t": t}, blocking=False).result().kind == "delta"
+    ckpt.close()
+    with Checkpointer(tmp_path, create=False) as again:
+        assert again.steps() == [1, 2] and torch.equal(again.load(2)["t"], t)
 
 
 def test_close_on_another_thread_waits_for_a_save_under_way(tmp_path):
