@@ -187,7 +187,11 @@ def _parse(doc: Any, where: str, read: TableReader) -> Manifest:
         if s.lossy != m.lossy:
             raise ManifestError(f"{where}: field 'lossy' disagrees with the tensors' records")
         _check_quantize(m.quantize, m.tensors, where)
-    check_tree(m.tree, m.tensors, f"{where}: field 'tree'", 0)
+    named: set[str] = set()
+    check_tree(m.tree, m.tensors, f"{where}: field 'tree'", 0, named)
+    if len(named) != len(m.tensors):  # a tensor no load would return
+        unnamed = next(k for k in m.tensors if k not in named)
+        raise ManifestError(f"{where}: field 'tree' does not name tensor {unnamed!r:.80}")
     return m
 
 
@@ -203,8 +207,9 @@ def _at(where: _Where) -> str:
     return "/".join([where, *reversed(keys)])
 
 
-def check_tree(node: Any, tensors: Mapping[str, TensorRecord], where: _Where, depth: int) -> None:
-    """Checks a state skeleton (see deltackpt.statetree): well-formed nodes, known tensors."""
+def check_tree(node: Any, tensors: Mapping[str, TensorRecord], where: _Where, depth: int, named: set[str]) -> None:
+    """Checks a state skeleton (see deltackpt.statetree): well-formed nodes, known tensors, each
+    named once (added to ``named``: a tensor named twice loaded as one object in two places)."""
     if depth > MAX_DEPTH:
         raise ManifestError(f"{_at(where)}: nested deeper than {MAX_DEPTH}")
     if not isinstance(node, dict) or len(node) != 1:
@@ -213,6 +218,9 @@ def check_tree(node: Any, tensors: Mapping[str, TensorRecord], where: _Where, de
     if kind == "tensor":
         if not isinstance(body, str) or body not in tensors:
             raise ManifestError(f"{_at(where)}: tensor {body!r:.80} is not in 'tensors'")
+        if body in named:
+            raise ManifestError(f"{_at(where)}: tensor {body!r:.80} is named twice")
+        named.add(body)
     elif kind == "float":
         if body not in ("nan", "inf", "-inf"):
             raise ManifestError(f"{_at(where)}: bad float {body!r:.80}")
@@ -227,12 +235,12 @@ def check_tree(node: Any, tensors: Mapping[str, TensorRecord], where: _Where, de
         ):
             raise ManifestError(f"{_at(where)}: bad dict node {body!r:.80}")
         for k, child in body:
-            check_tree(child, tensors, (where, k), depth + 1)
+            check_tree(child, tensors, (where, k), depth + 1, named)
     elif kind in ("list", "tuple"):
         if not isinstance(body, list):
             raise ManifestError(f"{_at(where)}: bad {kind} node {body!r:.80}")
         for i, child in enumerate(body):
-            check_tree(child, tensors, (where, i), depth + 1)
+            check_tree(child, tensors, (where, i), depth + 1, named)
     else:
         raise ManifestError(f"{_at(where)}: unknown node kind {kind!r:.80}")
 

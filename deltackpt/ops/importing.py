@@ -93,7 +93,7 @@ def _read_safetensors(src: str) -> dict[str, Any]:
         return tensors
     try:
         node = json.loads(tree)
-        check_tree(node, dict.fromkeys(tensors), "deltackpt.tree", 0)  # type: ignore[arg-type]
+        check_tree(node, dict.fromkeys(tensors), "deltackpt.tree", 0, set())  # type: ignore[arg-type]
         (kind, _), = node.items()
         if kind != "dict":
             raise ValueError("the state is not a dict")

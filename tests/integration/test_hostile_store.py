@@ -92,6 +92,23 @@ def _rename_tensor(doc: dict, old: str, new: str) -> None:
     doc["tree"] = json.loads(text)
 
 
+@pytest.mark.parametrize("tree", ["twice", "unnamed"])
+def test_a_record_tree_names_each_tensor_once(store, tree):
+    # A tree naming "table" in the place of "dense" loaded one tensor object in two places, and
+    # the saved "dense" nowhere; verify passed it.
+    doc = read_record(store, 0)
+    text = json.dumps(doc["tree"]).replace(json.dumps({"tensor": "dense"}), json.dumps({"tensor": "table"}))
+    doc["tree"] = json.loads(text)
+    if tree == "unnamed":  # "dense" left out of the tree
+        doc["tree"]["dict"] = [item for item in doc["tree"]["dict"] if item[0] != "dense"]
+    write_record(store, 0, doc)
+    why = "tensor 'table' is named twice" if tree == "twice" else "does not name tensor 'dense'"
+    with Checkpointer(store, create=False) as ckpt:
+        with pytest.raises(ManifestError, match=why):
+            ckpt.load(0)
+        assert [p.kind for p in ckpt.verify(0).problems] == ["record"]
+
+
 def test_record_keys_that_leave_the_store_are_refused(store):
     doc = read_record(store, 0)
     outside = outside_of(store)
