@@ -34,6 +34,7 @@ import torch
 
 from .collectives import Collective
 from .errors import SettingError, StepNotFoundError, StoreError
+from .format.layout import as_step
 from .io.staging import StagingPool
 from .io.threads import run_ahead, started_pool
 from .ops.compaction import CompactInfo, compact
@@ -194,11 +195,13 @@ class Checkpointer:
 
         Raises:
             StepExistsError: ``step`` is committed already or not after the latest step.
+            SettingError: ``step`` is no int (a bool, a string, a float).
             StateError: ``state`` holds something that cannot be saved.
             StoreError: writing failed; nothing was committed, and the changes it would have
                 saved go into the next save (raised by the next call after a background save).
             CheckpointAborted: on several ranks, any rank's failure, a dead or hung rank.
         """
+        step = as_step(step)  # numpy's ints are steps: the record's and the handle's are ints
         with self._turn("save"):
             self.wait()
             t0 = time.perf_counter()

@@ -46,10 +46,10 @@ def whole(shape: tuple[int, ...]) -> Box:
 
 
 def _idle(m: Manifest, keys: Collection[str], like: Manifest) -> frozenset[str]:
-    """Of ``keys``, those ``m`` left as they were, whatever the box read, told at once (of
-    records read from a store; of others, none)."""
+    """Of ``keys``, those the delta ``m`` left as they were, whatever the box read, told at
+    once (of deltas read from a store; a base leaves none as it was)."""
     ours, theirs = m.tensors, like.tensors
-    if keys and isinstance(ours, LazyTensors) and isinstance(theirs, LazyTensors):
+    if keys and m.kind == "delta" and isinstance(ours, LazyTensors) and isinstance(theirs, LazyTensors):
         return ours.idle(keys, theirs)
     return frozenset()
 

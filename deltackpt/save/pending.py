@@ -71,9 +71,8 @@ class Background:
         self.closed = False
 
     def start(self, step: int, blocked_seconds: float, finish: Callable[[], SaveInfo]) -> SaveHandle:
-        """Runs ``finish`` (the write and commit of ``step``, which staging took as a step: a
-        numpy int is an int here) behind the caller."""
-        handle = SaveHandle(int(step), blocked_seconds, self._thread.submit(finish))
+        """Runs ``finish`` (the write and commit of ``step``) behind the caller."""
+        handle = SaveHandle(step, blocked_seconds, self._thread.submit(finish))
         self._pending = handle
         return handle
 

@@ -21,7 +21,7 @@ import torch
 from ..collectives import Collective
 from ..collector import paused
 from ..errors import BrokenChainError, StateError, StepExistsError
-from ..format.layout import STEPS, as_step
+from ..format.layout import STEPS
 from ..format.record_io import table_key
 from ..format.manifest import Manifest
 from ..io.staging import StagingPool
@@ -96,7 +96,6 @@ class Saver:
         every rank has staged; a ``blocking`` save returns after its commit, so each rank stages
         in the write round instead, which tells every rank of any rank's failure the same way:
         a 2-rank delta is three round trips, not four."""
-        step = as_step(step)  # numpy's ints are steps: the record's is an int
         storage = self.store.storage
         coordinator = self._coll.is_coordinator
         items = self._write_items(step, state)
