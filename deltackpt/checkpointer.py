@@ -8,8 +8,7 @@ per phase, each over the frozen values of the ones before:
    one writer (:mod:`deltackpt.save.planner`); cached while no rank's local plan changes.
 3. ``scan`` (all): each rank finds what changed in the parts it writes; its summary goes to the
    coordinator alone.
-4. ``decide`` (coordinator): base or delta by the policy: the small
-   :class:`~deltackpt.save.types.SavePlan`, sent to every rank.
+4. ``decide`` (coordinator): base or delta by the policy, a :class:`~deltackpt.save.types.SavePlan` for every rank.
 5. ``stage`` (all): each rank copies what it writes into staging buffers, queuing their writes;
    the coordinator adds every array's metadata. After it, nothing reads the live state.
 6. ``write`` (all): each rank waits for its writes and makes them durable; what it wrote goes to
@@ -74,10 +73,10 @@ class Checkpointer:
         chunk_bytes: target size of a chunk file.
         dense_chunk_bytes: change-detection granularity of dense (0-d, 1-d) tensors.
         memory_budget: bytes of host staging memory a save or restore may add.
-        io_threads: parallel reads and writes per rank, at most ``threads``.
-        threads: the most threads a save or restore works on besides the calling one (its I/O
-            and its hashing share them); default ``torch.get_num_threads()``, so a save on a
-            busy node competes with training no more than torch itself does.
+        io_threads: parallel reads and writes per rank, at most ``threads`` (one less from 3 on).
+        threads: the most threads a save or restore works on besides the calling one (I/O, hashing
+            and, from 3 on, one appending a delta's rows to its pack); default
+            ``torch.get_num_threads()``: a save on a busy node competes with training no more than torch does.
         create: create the store if absent; if False, a missing store raises StoreError.
         take_over: take the writer lease found now at the first save, even if its holder looks
             alive or it is unreadable; a dead holder's is taken anyway (:mod:`deltackpt.ops.lease`).
@@ -138,11 +137,12 @@ class Checkpointer:
         self.store.check_exists()
         self._sizes = (chunk_bytes, dense_chunk_bytes)
         self._pool = StagingPool(memory_budget // chunk_bytes, chunk_bytes, pin=torch.cuda.is_available())
-        workers = min(io_threads, threads)
+        workers = min(io_threads, threads - (threads >= 3))  # and from 3 on, a pack thread
         self._executor = started_pool(workers, "deltackpt-io")
         self._tracker = ChangeTracker(dense_chunk_bytes, Hasher(self._executor, workers), aligned)
         self._saver = Saver(self.store, self._coll, self.policy, self._tracker, self._pool, self._executor,
-                            self._sizes, self._quantize, take_over=take_over, lease_ttl=lease_ttl)
+                            started_pool(1, "deltackpt-pack") if threads >= 3 else None, self._sizes,
+                            self._quantize, take_over=take_over, lease_ttl=lease_ttl)
         self._background = Background()
         self._turn = Turn()  # one save, restore or close at a time, whatever the thread
         warm_kernels()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor, Future, wait
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -25,7 +25,7 @@ from ..format.layout import STEPS
 from ..format.record_io import table_key
 from ..format.manifest import Manifest
 from ..io.staging import StagingPool
-from ..io.threads import run_ahead, started_pool
+from ..io.threads import run_ahead
 from ..io.writer import StepWriter
 from ..ops import lease
 from ..policy import BasePolicy, ChainState
@@ -53,6 +53,8 @@ class Saver:
         tracker: the change tracker (shared with the checkpointer's ``track``, ``mark``, ``restore``).
         pool: staging buffers.
         executor: the I/O threads.
+        packer: a thread that appends a delta's gathered rows to its pack beside the gathers, or
+            None: the saving thread appends them (see :class:`~deltackpt.io.writer.StepWriter`).
         sizes: ``(chunk_bytes, dense_chunk_bytes)``.
         quantize: the lossy-delta rules and the restores made.
         take_over: take the lease found now even if its holder looks alive or it is unreadable.
@@ -60,8 +62,8 @@ class Saver:
     """
 
     def __init__(self, store: Store, coll: Collective, policy: BasePolicy, tracker: ChangeTracker,
-                 pool: StagingPool, executor: Executor, sizes: tuple[int, int], quantize: QuantizePlan,
-                 *, take_over: bool, lease_ttl: float):
+                 pool: StagingPool, executor: Executor, packer: ThreadPoolExecutor | None,
+                 sizes: tuple[int, int], quantize: QuantizePlan, *, take_over: bool, lease_ttl: float):
         self.store = store
         self._coll = coll
         self.policy = policy
@@ -81,7 +83,7 @@ class Saver:
         self._shapes: dict[str, tuple[int, ...]] = {}  # global shapes of its tensors, under that plan
         self._lease = lease.Claim(store.storage, ttl=lease_ttl, take_over=take_over)
         self._reuse = Reuse()  # what the records of its saves share, kept from save to save
-        self._packer = started_pool(1, "deltackpt-pack")  # appends a delta's gathered rows
+        self._packer = packer
         self._items: tuple[tuple[tuple[str, PartPlan], ...], tuple[WriteItem, ...]] | None = None  # the last save's
         self._scanned: Scanned | None = None  # their last scan
 
@@ -319,4 +321,5 @@ class Saver:
         try:
             self._lease.release()
         finally:
-            self._packer.shutdown(wait=True)
+            if self._packer is not None:
+                self._packer.shutdown(wait=True)

@@ -56,7 +56,7 @@ def one_torch_thread():
 
 
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "background"])
-@pytest.mark.parametrize("threads", [None, 1, 2])
+@pytest.mark.parametrize("threads", [None, 1, 2, 3])
 def test_a_save_uses_at_most_its_threads(tmp_path, threads, blocking, one_torch_thread):
     limit = torch.get_num_threads() if threads is None else threads
     # 128 MiB: a base of 128 files and a delta found by hashing every row, enough work for every
@@ -73,8 +73,12 @@ def test_a_save_uses_at_most_its_threads(tmp_path, threads, blocking, one_torch_
         table[::1000] += 1
         dense[::1000] += 1
         assert helpers_used(lambda: save(2)) <= limit
-        assert ckpt.steps() == [1, 2]
-        assert ckpt.load(2)["table"].equal(table)
+        # Half the rows: chunks of rows large enough to go to the pack on a thread of their own
+        # where the limit leaves room for one.
+        table[::2] += 1
+        assert helpers_used(lambda: save(3)) <= limit
+        assert ckpt.steps() == [1, 2, 3]
+        assert ckpt.load(3)["table"].equal(table)
 
 
 def test_threads_must_be_positive(tmp_path):
