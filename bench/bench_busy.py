@@ -9,7 +9,8 @@ One run, rounds interleaved so that drift on a shared VM hits every case alike, 
               file system without syncing it (the file is deleted after the save)
   busy        the same while ``os.cpu_count()`` other processes spin on every core
   padding     the delta step's bytes on disk (every file of its attempt folder) / its payload
-              (changed rows x (row bytes + 8 B of id))
+              (changed rows x row bytes, plus their ids as stored, lz4-coded; counted at 8 B an id,
+              the coding hid the padding)
   base        a base save's time and the bytes it wrote with O_DIRECT (counted at the storage),
               against the disk's O_DIRECT bandwidth measured in the same run (a fresh file of the
               base's size written from one aligned buffer in 32 MiB writes, then fsync): first
@@ -103,8 +104,9 @@ def payload(ckpt: Checkpointer, step: int) -> int:
     for rec in m.tensors.values():
         itemsize = torch.empty((), dtype=getattr(torch, rec.dtype)).element_size()
         for part in rec.parts:
-            if rec.encoding.name == "rows":
-                total += part.changed * (int(torch.tensor(part.shape[1:]).prod()) * itemsize + 8)
+            if rec.encoding.name == "rows":  # the rows, and their ids as stored (coded)
+                total += part.changed * int(torch.tensor(part.shape[1:]).prod()) * itemsize
+                total += sum(c[0] for name, c in part.chunks.items() if name.startswith("ids/"))
             else:
                 ce = part.chunk_shape[0]
                 n = int(torch.tensor(part.shape).prod()) if part.shape else 1
