@@ -134,14 +134,15 @@ def test_a_base_over_the_budget_stages_in_pieces_on_two_ranks(tmp_path):
         assert r == {"passed": 4, "done": False, "kind": "base", "written": 8, "loaded": True}, r
 
 
-def fault_job(rank: int, world: int, root: str, action: str) -> dict:
-    storage = FaultStorage(root, phase="none", rank=1, action=action)
+def fault_job(rank: int, world: int, root: str, action: str, failing: int = 1) -> dict:
+    storage = FaultStorage(root, phase="none", rank=failing, action=action)
     ckpt = Checkpointer(storage, timeout=datetime.timedelta(seconds=6), chunk_bytes=64,
                         memory_budget=1024)
     ckpt.save(1, state(rank, world, 1))
-    # In the background write of step 2, on rank 1: its part table's fsync fails (an I/O
+    # In the background write of step 2, on rank ``failing``: its first fsync fails (an I/O
     # error), its data write finds the disk full, or the rank dies.
-    storage.fault = ("write_chunk", 1, "raise", 1, 0) if action == "full" else ("fsync", 1, action, 1, 30.0)
+    storage.fault = (("write_chunk", failing, "raise", 1, 0) if action == "full"
+                     else ("fsync", failing, action, 1, 30.0))
     if action == "full":
         storage.on_point = full_disk(storage)
     live = state(rank, world, 2)
@@ -184,13 +185,15 @@ def full_disk(storage: FaultStorage):
     return at_point
 
 
+@pytest.mark.parametrize("failing", [0, 1], ids=["coordinator", "other"])
 @pytest.mark.parametrize("action", ["raise", "full"])
-def test_a_rank_failing_in_the_background_fails_the_save_on_every_rank(tmp_path, action):
-    results = check_ok(run_ranks(fault_job, 2, str(tmp_path), str(tmp_path / "store"), action))
+def test_a_rank_failing_in_the_background_fails_the_save_on_every_rank(tmp_path, action, failing):
+    results = check_ok(run_ranks(fault_job, 2, str(tmp_path), str(tmp_path / "store"), action, failing))
     for r in results:
         assert r["raised"] == "CheckpointAborted" and r["steps"] == [1], r
         assert f"[Errno {errno.ENOSPC if action == 'full' else errno.EIO}]" in r["message"], r
         assert r["retry"] == ("delta", True) and r["restored"] and r["threads"] == [], r
+    assert results[0]["message"] == results[1]["message"]  # the same failure, told alike
 
 
 def test_a_rank_killed_in_the_background_fails_the_save_on_the_others(tmp_path):
