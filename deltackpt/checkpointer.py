@@ -69,7 +69,7 @@ class Checkpointer:
         process_group: the ranks that checkpoint together; default: all ranks when
             torch.distributed is initialized, else this process alone.
         coordinator_rank: the rank (in ``process_group``) that plans and commits.
-        timeout: how long a rank waits for the others in a save or restore.
+        timeout: how long a rank waits for the others in a save or restore (a gloo ``process_group`` keeps its own).
         chunk_bytes: target size of a chunk file.
         dense_chunk_bytes: change-detection granularity of dense (0-d, 1-d) tensors.
         memory_budget: bytes of host staging memory a save or restore may add.

@@ -33,9 +33,11 @@ class Collective:
 
     Args:
         process_group: the ranks to checkpoint with; default: the whole default group when
-            torch.distributed is initialized, else a world of one. A gloo group is used as it is;
-            for another backend a gloo group over the same ranks is created (a collective call).
-        timeout: how long a phase waits for a peer.
+            torch.distributed is initialized, else a world of one. A gloo group but the default
+            one is used as it is (its ranks alone build the checkpointer), with its own timeout;
+            over the default group or another backend's, a gloo group over the same ranks is
+            created (a collective call of every rank of the job).
+        timeout: how long a phase waits for a peer (but on a gloo group passed, see above).
         coordinator_rank: the rank (within the group) that plans and commits.
     """
 
@@ -49,11 +51,12 @@ class Collective:
             raise SettingError(f"process_group must be a torch.distributed ProcessGroup, got {process_group!r}")
         if process_group is not None or (dist.is_available() and dist.is_initialized()):
             pg = process_group or dist.group.WORLD
-            if dist.get_backend(pg) == "gloo":
-                self.group = pg
+            if dist.get_backend(pg) == "gloo" and pg is not dist.group.WORLD:
+                self.group = pg  # the caller's, with its timeout: its ranks alone get here
             else:
-                self.group = dist.new_group(dist.get_process_group_ranks(pg), backend="gloo",
-                                            timeout=timeout)
+                # Over the default group too: gloo waits as long as the group's timeout says
+                # (init_process_group's: 30 minutes by default), not this one.
+                self.group = dist.new_group(dist.get_process_group_ranks(pg), backend="gloo", timeout=timeout)
             self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
         if not 0 <= coordinator_rank < self.size:
             raise SettingError(f"coordinator_rank must be in [0, {self.size}), got {coordinator_rank}")

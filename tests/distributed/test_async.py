@@ -8,6 +8,7 @@ import copy
 import datetime
 import errno
 import logging
+import time
 
 import pytest
 import torch
@@ -202,5 +203,32 @@ def test_a_rank_killed_in_the_background_fails_the_save_on_the_others(tmp_path):
     r0 = results[0]
     assert r0 is not None and r0[0] == "ok", r0
     assert r0[1]["raised"] == "CheckpointAborted" and r0[1]["steps"] == [1] and r0[1]["threads"] == []
+    with Checkpointer(tmp_path / "store", create=False) as ckpt:
+        assert ckpt.steps() == [1] and ckpt.verify().ok
+
+
+def hung_job(rank: int, world: int, root: str) -> dict:
+    storage = FaultStorage(root, phase="none", rank=1, action="sleep")
+    ckpt = Checkpointer(storage, timeout=datetime.timedelta(seconds=4), chunk_bytes=64, memory_budget=1024)
+    ckpt.save(1, state(rank, world, 1))
+    storage.fault = ("fsync", 1, "sleep", 1, 60.0)  # rank 1's background write hangs
+    ckpt.save(2, state(rank, world, 2), blocking=False)
+    t0 = time.monotonic()
+    try:
+        ckpt.close()
+        raised = None
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        raised = type(e).__name__
+    return {"raised": raised, "seconds": time.monotonic() - t0, "steps": ckpt.store.steps(),
+            "threads": sorted(t.name for t in checkpointer_threads())}
+
+
+def test_close_beside_a_rank_hung_in_the_background_returns_within_the_timeout(tmp_path):
+    results = run_ranks(hung_job, 2, str(tmp_path), str(tmp_path / "store"), deadline=25)
+    assert results[1] is None  # still hanging in its write when the test gave up on it
+    r0 = results[0]
+    assert r0 is not None and r0[0] == "ok", r0
+    assert r0[1]["raised"] == "CheckpointAborted" and r0[1]["steps"] == [1] and r0[1]["threads"] == [], r0
+    assert r0[1]["seconds"] < 4 + 10, r0
     with Checkpointer(tmp_path / "store", create=False) as ckpt:
         assert ckpt.steps() == [1] and ckpt.verify().ok
