@@ -35,7 +35,7 @@ from .collectives import Collective
 from .errors import SettingError, StepNotFoundError, StoreError
 from .format.layout import as_step
 from .io.staging import StagingPool
-from .io.threads import run_ahead, started_pool
+from .io.threads import Lane, run_ahead, started_pool
 from .ops.compaction import CompactInfo, compact
 from .ops.gc import GCReport, Retention, collect
 from .ops.lease import DEFAULT_TTL
@@ -73,10 +73,10 @@ class Checkpointer:
         chunk_bytes: target size of a chunk file.
         dense_chunk_bytes: change-detection granularity of dense (0-d, 1-d) tensors.
         memory_budget: bytes of host staging memory a save or restore may add.
-        io_threads: parallel reads and writes per rank, at most ``threads`` (one less from 3 on).
-        threads: the most threads a save or restore works on besides the calling one (I/O, hashing
-            and, from 3 on, one appending a delta's rows to its pack); default
-            ``torch.get_num_threads()``: a save on a busy node competes with training no more than torch does.
+        io_threads: parallel reads and writes per rank, at most ``threads``.
+        threads: the most threads a save or restore works on besides the calling one (its I/O
+            and its hashing share them); default ``torch.get_num_threads()``, so a save on a
+            busy node competes with training no more than torch itself does.
         create: create the store if absent; if False, a missing store raises StoreError.
         take_over: take the writer lease found now at the first save, even if its holder looks
             alive or it is unreadable; a dead holder's is taken anyway (:mod:`deltackpt.ops.lease`).
@@ -137,11 +137,11 @@ class Checkpointer:
         self.store.check_exists()
         self._sizes = (chunk_bytes, dense_chunk_bytes)
         self._pool = StagingPool(memory_budget // chunk_bytes, chunk_bytes, pin=torch.cuda.is_available())
-        workers = min(io_threads, threads - (threads >= 3))  # and from 3 on, a pack thread
+        workers = min(io_threads, threads)
         self._executor = started_pool(workers, "deltackpt-io")
         self._tracker = ChangeTracker(dense_chunk_bytes, Hasher(self._executor, workers), aligned)
         self._saver = Saver(self.store, self._coll, self.policy, self._tracker, self._pool, self._executor,
-                            started_pool(1, "deltackpt-pack") if threads >= 3 else None, self._sizes,
+                            Lane(self._executor) if workers > 1 else None, self._sizes,  # one writes a pack
                             self._quantize, take_over=take_over, lease_ttl=lease_ttl)
         self._background = Background()
         self._turn = Turn()  # one save, restore or close at a time, whatever the thread

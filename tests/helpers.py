@@ -45,4 +45,4 @@ def assert_runs_fresh(code: str, *argv: str) -> None:
 def checkpointer_threads() -> set[threading.Thread]:
     """The live threads checkpointers start (not the process's one kernel and buffer warm-up)."""
     return {t for t in threading.enumerate()
-            if t.name.startswith(("deltackpt-io", "deltackpt-pack", "deltackpt-save", "deltackpt-lease"))}
+            if t.name.startswith(("deltackpt-io", "deltackpt-save", "deltackpt-lease"))}

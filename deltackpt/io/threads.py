@@ -11,14 +11,18 @@ several times longer than the saves after it.
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from functools import partial
+from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def started_pool(workers: int, prefix: str) -> ThreadPoolExecutor:
@@ -90,6 +94,53 @@ def run_shared(executor: Executor, jobs: Sequence[Callable[[], object]], helpers
     error = next((e for e in errors if e is not None), None)
     if error is not None:
         raise error
+
+
+class Lane(Executor):
+    """Runs the jobs submitted to it one at a time, in order, on a thread of ``executor``: the
+    work of a thread of its own (a delta's appends to its pack, beside the gathers and the
+    pack's write) on threads a save has already, so that it works on no more than it is given.
+    The thread it borrows runs its jobs until none is queued. An executor that takes no more
+    jobs (at the interpreter's exit) leaves them to the submitting thread.
+
+    Example:
+        >>> pool = started_pool(2, "demo")
+        >>> Lane(pool).submit(lambda: 7).result()
+        7
+        >>> pool.shutdown()
+    """
+
+    def __init__(self, executor: Executor):
+        self._executor = executor
+        self._lock = threading.Lock()
+        self._queued: collections.deque[tuple[Callable[[], object], Future[object]]] = collections.deque()
+        self._running = False
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        done: Future[Any] = Future()
+        with self._lock:
+            self._queued.append((partial(fn, *args, **kwargs), done))
+            if self._running:
+                return done
+            self._running = True
+        try:
+            self._executor.submit(self._drain)
+        except RuntimeError:  # shut down: the interpreter is exiting
+            self._drain()
+        return done
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queued:
+                    self._running = False
+                    return
+                job, done = self._queued.popleft()
+            if done.set_running_or_notify_cancel():
+                try:
+                    done.set_result(job())
+                except BaseException as e:  # noqa: BLE001 - raised by the future
+                    done.set_exception(e)
 
 
 _LOADAVG = "/proc/loadavg"

@@ -9,10 +9,10 @@ zarr v3 stores them, so any zarr v3 reader reads the arrays.
 A delta's chunks go back to back into one pack per writing rank instead (see
 :mod:`deltackpt.io.pack`), and the record gives each chunk's offset in it beside its size and
 checksum. A chunk already in a staging buffer of its own (a delta's gathered rows) is appended
-by the pack thread, if any, with its rows' hashes, so that the saving thread only gathers: it returns
-to training sooner; for a non-blocking save (``defer``) only once the caller has staged every
-chunk (:meth:`StepWriter.staged`), so that the pack thread's hashing and copying do not take the
-cores from the caller's gathers. A small one is appended by the saving thread (see
+by the packer (an I/O thread's lane, if the writer has one), with its rows' hashes, so that the
+saving thread only gathers: it returns to training sooner; for a non-blocking save (``defer``)
+only once the caller has staged every chunk (:meth:`StepWriter.staged`), so that the packer's
+hashing and copying do not take the cores from the caller's gathers. A small one is appended by the saving thread (see
 :data:`HAND_OFF_BYTES`), or for a non-blocking save by its background thread when it finishes the
 writer, while staging buffers allow.
 """

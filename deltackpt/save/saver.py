@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Executor, Future, wait
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -53,8 +53,8 @@ class Saver:
         tracker: the change tracker (shared with the checkpointer's ``track``, ``mark``, ``restore``).
         pool: staging buffers.
         executor: the I/O threads.
-        packer: a thread that appends a delta's gathered rows to its pack beside the gathers, or
-            None: the saving thread appends them (see :class:`~deltackpt.io.writer.StepWriter`).
+        packer: appends a delta's gathered rows to its pack beside the gathers, on one of the
+            I/O threads (None: the saving thread does; see :class:`~deltackpt.io.writer.StepWriter`).
         sizes: ``(chunk_bytes, dense_chunk_bytes)``.
         quantize: the lossy-delta rules and the restores made.
         take_over: take the lease found now even if its holder looks alive or it is unreadable.
@@ -62,7 +62,7 @@ class Saver:
     """
 
     def __init__(self, store: Store, coll: Collective, policy: BasePolicy, tracker: ChangeTracker,
-                 pool: StagingPool, executor: Executor, packer: ThreadPoolExecutor | None,
+                 pool: StagingPool, executor: Executor, packer: Executor | None,
                  sizes: tuple[int, int], quantize: QuantizePlan, *, take_over: bool, lease_ttl: float):
         self.store = store
         self._coll = coll
@@ -317,9 +317,5 @@ class Saver:
         self._chain = chain
 
     def close(self) -> None:
-        """Releases the writer lease and ends the pack thread."""
-        try:
-            self._lease.release()
-        finally:
-            if self._packer is not None:
-                self._packer.shutdown(wait=True)
+        """Releases the writer lease."""
+        self._lease.release()
