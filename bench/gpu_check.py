@@ -1,10 +1,13 @@
-"""Parity and speed of the Triton kernels on a CUDA GPU, against the reference and torch.
+"""Parity and speed of the Triton kernels on a CUDA GPU, against the reference and torch; then
+the time training is blocked by background saves of a state on the GPU, beside DCP's
+``async_save`` (``gpu_saves.py``).
 
 First checks every Triton kernel bit for bit against the CPU reference on CUDA tensors of several
 dtypes and odd sizes, then times each against its torch counterpart (``index_fill_``,
 ``index_select``) and against the device's copy bandwidth, measured in the same run with a tensor
-copy. Prints the parity result, then the table; exits 1 if any parity check failed. Sized to
-finish well under four minutes, most of it Triton compiling.
+copy. Prints the parity result, then the table; then ``gpu_saves.py``'s table (a base and a 1%
+marked delta of a 2.15 GB state, ``--saves-repeat`` rounds; 0 skips it). Exits 1 if any parity
+check failed. Sized to finish well under four minutes, most of it Triton compiling and DCP's saves.
 
 Example:
     python bench/gpu_check.py --size-mib 1024
@@ -17,6 +20,7 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 
+import gpu_saves
 import torch
 
 from deltackpt import kernels
@@ -52,6 +56,7 @@ def _parse_args() -> argparse.Namespace:
         "--gather-ids", type=int, default=1 << 20, help="rows gathered per gather_rows call"
     )
     p.add_argument("--rep-ms", type=int, default=200, help="timing budget per measurement (ms)")
+    p.add_argument("--saves-repeat", type=int, default=3, help="rounds of gpu_saves.py (0: none)")
     return p.parse_args()
 
 
@@ -187,6 +192,8 @@ def main() -> None:
     width = max(len(name) for name, _, _ in table)
     for name, t, rate in table:
         print(f"{name.ljust(width)}  {t:9.3f} ms  {rate}")
+    if args.saves_repeat:
+        gpu_saves.main(["--device", "cuda", "--repeat", str(args.saves_repeat)])
     if failures:
         sys.exit(1)
 
