@@ -101,7 +101,8 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="timed restores per measurement; medians are reported (default %(default)s)")
     p.add_argument("--parts", default="chains,policies",
                    help="which parts to run: chains, policies or both (default %(default)s)")
-    p.add_argument("--out", default="bench/chains.png", help="PNG plot path (default %(default)s)")
+    p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "deltackpt-chains.png"),
+                   help="PNG plot path (default %(default)s; python -m bench keeps it in bench/results)")
     p.add_argument("--dir", default="/tmp", help="folder for the scratch folder (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
     p.add_argument("--chunk-mib", type=int, default=32,
