@@ -119,12 +119,13 @@ def test_steps_change_only_at_commit_and_the_next_call_waits(tmp_path):
         storage.gate.clear()
         handle = ckpt.save(1, {"t": t}, blocking=False)
         t += 5  # after the call: not in step 1
-        assert not handle.done() and ckpt.steps() == []
+        assert not handle.done() and ckpt.steps() == [] and ckpt.latest_step() is None
         with pytest.raises(TimeoutError, match="step 1"):
             handle.result(timeout=0.05)
         storage.gate.set()
         assert ckpt.load(1)["t"].sum() == 0  # load waits for the save in flight
         assert handle.done() and ckpt.steps() == [1] and handle.result().kind == "base"
+        assert ckpt.latest_step() == 1
         assert ckpt.wait() is None  # load waited for it already
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltackpt import Checkpointer, SettingError, StateError, StepNotFoundError
+from deltackpt import Checkpointer, SaveHandle, SaveInfo, SettingError, StateError, StepNotFoundError
 from deltackpt.datasets import CriteoConfig
 from deltackpt.examples import TrainState, deterministic, dlrm_run, train
 from deltackpt.hooks import CheckpointHook, HookClosedError
@@ -35,14 +35,18 @@ class Spy:
         return self.method(*args, **kwargs)
 
 
-def test_saves_on_the_schedule(store_path):
+@pytest.mark.parametrize("blocking", [None, True], ids=["default", "blocking"])
+def test_saves_on_the_schedule(store_path, blocking):
     state = {"w": torch.zeros(4, 2), "step": 0}
-    with CheckpointHook(store_path, state, every=3) as hook:
+    flag = {} if blocking is None else {"blocking": blocking}
+    with CheckpointHook(store_path, state, every=3, **flag) as hook:
         saved = []
         for step in range(1, 11):
             state["step"] = step
             info = hook.on_step_end(step)
             if info is not None:
+                # In the background by default: a handle; blocking, what was written.
+                assert isinstance(info, SaveInfo if blocking else SaveHandle), info
                 saved.append((step, info.step))
         assert saved == [(3, 3), (6, 6), (9, 9)]
         hook.checkpointer.wait()  # saves commit in the background
