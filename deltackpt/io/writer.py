@@ -12,9 +12,9 @@ checksum. A chunk already in a staging buffer of its own (a delta's gathered row
 by the packer (an I/O thread's lane, if the writer has one), with its rows' hashes, so that the
 saving thread only gathers: it returns to training sooner; for a non-blocking save (``defer``)
 only once the caller has staged every chunk (:meth:`StepWriter.staged`), so that the packer's
-hashing and copying do not take the cores from the caller's gathers. A small one is appended by the saving thread (see
-:data:`HAND_OFF_BYTES`), or for a non-blocking save by its background thread when it finishes the
-writer, while staging buffers allow.
+hashing and copying do not take the cores from the caller's gathers. A small one is appended by
+the saving thread (see :data:`HAND_OFF_BYTES`), or for a non-blocking save by its background
+thread when it finishes the writer, while staging buffers allow.
 """
 
 from __future__ import annotations
