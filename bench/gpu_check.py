@@ -8,7 +8,7 @@ dtypes and odd sizes, then times each against its torch counterpart (``index_fil
 copy. Prints the parity result, then the table; then ``gpu_saves.py``'s table (a base and a 1%
 marked delta of a 2.15 GB state, ``--saves-repeat`` rounds; 0 skips it). Exits 1 if any parity
 check failed. The kernels' part is sized to finish well under four minutes, most of it Triton
-compiling; the saves' rounds add what three 2.15 GB bases, three deltas and DCP's saves take.
+compiling; the saves add what four rounds (one to warm up) of a 2.15 GB base, a delta and DCP's saves take.
 
 Example:
     python bench/gpu_check.py --size-mib 1024
