@@ -16,9 +16,10 @@ DCP, ...) alternately in the same process and reports medians of at least 3 roun
   the disk's write bandwidth.
 
 Sizes: ``--quick`` (40 minutes on a 2-core machine at load 11-20), the full size by default
-(the benches' own defaults: 42 minutes on an idle 2-core machine), ``--size tiny`` (seconds per
-bench: for the test that keeps this command working). ``--only`` and ``--skip`` take bench names. A bench whose modules do not import
-(TorchRec, SeaweedFS, DCP's s3fs) is skipped with the reason.
+(the benches' own defaults: 30 to 42 minutes on an idle 2-core machine), ``--size tiny`` (seconds
+per bench: for the test that keeps this command working). ``--only`` and ``--skip`` take bench
+names. A bench whose modules do not import (TorchRec, SeaweedFS, DCP's s3fs) is skipped with the
+reason.
 
 Example:
     python -m bench --quick
@@ -162,11 +163,14 @@ BENCHES: tuple[Bench, ...] = (
 
 
 def missing(bench: Bench) -> list[str]:
-    """The modules or executables ``bench`` needs that are not there."""
+    """The modules or executables ``bench`` needs that are not there (an executable on the PATH
+    or beside this Python's, as pip installs one into a virtual environment not activated)."""
     out = []
     for need in bench.needs:
         if need.startswith("bin:"):
-            if shutil.which(need[4:]) is None:
+            name = need[4:]
+            beside = os.path.join(os.path.dirname(sys.executable), name)
+            if shutil.which(name) is None and not os.path.exists(beside):
                 out.append(need)
         elif importlib.util.find_spec(need) is None:
             out.append(need)

@@ -147,3 +147,13 @@ def test_every_bench_runs_at_the_tiny_size(tmp_path):
         doc = json.loads((tmp_path / "results" / f"{b.name}.json").read_text())
         assert doc["status"] in ("ok", "skipped"), doc
     assert unmatched_key_prefixes(tmp_path / "results") == []
+
+
+def test_an_executable_beside_this_python_is_found(tmp_path, monkeypatch):
+    """pip puts ``weed`` beside the virtual environment's python, on no PATH until it is activated."""
+    (tmp_path / "python").touch()
+    (tmp_path / "some-tool").touch()
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", "/nonexistent")
+    b = bench.Bench("bench_torchrec", {s: ((),) for s in bench.SIZES}, needs=("bin:some-tool", "bin:no-such-bin"))
+    assert bench.missing(b) == ["bin:no-such-bin"]
