@@ -107,8 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     times: dict[str, list[float]] = {}
 
     def note(name: str, seconds: float) -> None:
-        if r:  # the first round warms up: kernels, staging buffers, DCP's first call
-            times.setdefault(name, []).append(seconds)
+        times.setdefault(name, []).append(seconds)
 
     try:
         for r in range(args.repeat + 1):
@@ -141,7 +140,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             shutil.rmtree(os.path.join(root, f"r{r}"), ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    med = {name: statistics.median(v) for name, v in times.items()}
+    # The first round warms up (kernels, staging buffers, DCP's first call): not counted.
+    med = {name: statistics.median(v[1:]) for name, v in times.items()}
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     print(f"\nbackground saves on {args.device} ({name}): {args.tables} tables of {args.rows} x {args.dim} "
           f"fp32 + accumulators, {nbytes / 1e9:.2f} GB; medians of {args.repeat}")
