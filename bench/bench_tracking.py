@@ -83,8 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="more shares of rows for the delta saves, comma-separated (e.g. 0.001,0.05,0.5)")
     p.add_argument("--optimizer", choices=("adagrad", "rowwise"), default="adagrad",
                    help="the tables' optimizer: torch's Adagrad (a sum per value, 2-d) or row-wise "
-                        "Adagrad (a sum per row, 1-d; inferred aligned by the marks checkpointer, "
-                        "declared with aligned= to the hashing one)")
+                        "Adagrad (a sum per row, 1-d; inferred aligned with its table by both "
+                        "checkpointers)")
     p.add_argument("--repeat", type=int, default=5, help="timed rounds of the hash and save parts")
     p.add_argument("--dir", default=tempfile.gettempdir(), help="where the scratch folder goes")
     p.add_argument("--seed", type=int, default=0, help="random seed")
@@ -357,7 +357,7 @@ def measure_finding(args, model, opts, gen) -> dict[str, float]:
     threads = torch.get_num_threads()
     pool = started_pool(threads, "bench-hash")
     marks = ChangeTracker(MiB, Hasher(pool, threads))
-    hashes = ChangeTracker(MiB, Hasher(pool, threads), aligned=declared(args))
+    hashes = ChangeTracker(MiB, Hasher(pool, threads))
     handle = marks.rows.track(model, prefix="model", optimizer=opts[0], optimizer_prefix="optim")
 
     def flat() -> dict[str, torch.Tensor]:
@@ -416,8 +416,7 @@ def main(argv: list[str] | None = None) -> None:
         train_step(plain, plain_opts, make_batch(args, gen))
         policy = deltackpt.EveryK(every=10_000, max_delta_fraction=1.0)
         ckpt_marks = deltackpt.Checkpointer(os.path.join(scratch, "marks"), policy=policy)
-        ckpt_hash = deltackpt.Checkpointer(os.path.join(scratch, "hashes"), policy=policy,
-                                           aligned=declared(args))
+        ckpt_hash = deltackpt.Checkpointer(os.path.join(scratch, "hashes"), policy=policy)
         # No audits: they take turns among the tables, one table's now and then, and the sweep
         # compares the deltas of marks alone (bench_async times the deltas that audit).
         handle = ckpt_marks.track(model, prefix="model", optimizer=opts[0], optimizer_prefix="optim",
@@ -508,14 +507,6 @@ def main(argv: list[str] | None = None) -> None:
                   marks_bytes=[sv["marks_bytes"] for sv in sweep.values()],
                   hashes_bytes=[sv["hashes_bytes"] for sv in sweep.values()],
                   changed_row_bytes=[changed_bytes(args, sv["rows"]) for sv in sweep.values()])
-
-
-def declared(args: argparse.Namespace) -> dict[str, str] | None:
-    """For the checkpointer without marks: the row-wise sums declared aligned with their tables,
-    as for a plain dict (the marks checkpointer infers them from the tracked optimizer)."""
-    if args.optimizer == "adagrad":
-        return None
-    return {f"optim/state/{i}/sum": f"model/embs.{i}.weight" for i in range(args.tables)}
 
 
 def changed_bytes(args: argparse.Namespace, k: int) -> int:

@@ -293,13 +293,14 @@ class RowTracker:
     def aligned(self, tensors: Mapping[str, torch.Tensor], groups: list[TrackedGroup]) -> set[str]:
         """The 1-d tensors of ``tensors`` aligned with a table's rows, whose changes are their
         elements, as the table's are its rows: those declared (checked against their tables),
-        and the 1-d optimizer state a tracked table shares its marks with (``groups``).
+        the 1-d optimizer state a tracked table shares its marks with (``groups``), and the
+        1-d optimizer state inferred row-wise from the shapes (:func:`row_wise_state`).
 
         Raises:
             StateError: a declared tensor is not 1-d, or its table (when present) has not two
                 dimensions or more and as many rows as it has values.
         """
-        out = {k for g in groups for k in g.keys if tensors[k].dim() == 1}
+        out = {k for g in groups for k in g.keys if tensors[k].dim() == 1} | row_wise_state(tensors)
         for key, table in self.declared.items():
             t, tab = tensors.get(key), tensors.get(table)
             if t is None:
@@ -358,6 +359,26 @@ def _param_index(opt: torch.optim.Optimizer, param: torch.Tensor) -> int | None:
                 return i
             i += 1
     return None
+
+
+def row_wise_state(tensors: Mapping[str, torch.Tensor]) -> set[str]:
+    """The 1-d optimizer state of ``tensors`` with one value per row of a table, inferred where
+    the shapes leave no doubt: a floating tensor under ``<prefix>/state/<param>/<name>`` (a torch
+    optimizer's, ``<param>`` its index, or a keyed optimizer's, ``<param>`` the parameter's name)
+    whose length is the row count of a tensor of two dimensions or more and no such tensor's
+    column count (a per-column factor of a square table is not row-wise). Which table it belongs
+    to does not matter here: hashed per value, its changed values are its changed rows, and a
+    tracked table's own state shares its marks (:meth:`RowTracker.resolve`).
+
+    >>> sorted(row_wise_state({"emb": torch.zeros(6, 2), "optim/state/0/sum": torch.zeros(6),
+    ...                        "optim/state/1/sum": torch.zeros(2), "acc": torch.zeros(6)}))
+    ['optim/state/0/sum']
+    """
+    tables = [t.shape for t in tensors.values() if t.dim() >= 2]
+    rows = {s[0] for s in tables} - {d for s in tables for d in s[1:]}
+    return {k for k, t in tensors.items()
+            if t.dim() == 1 and t.shape[0] in rows and t.shape[0] > 1 and t.is_floating_point()
+            and k.rsplit("/", 3)[-3:-2] == ["state"]}
 
 
 def _optimizer_entries(tensors: Mapping[str, torch.Tensor]) -> dict[tuple[str, int], list[str]]:

@@ -1,6 +1,6 @@
 """1-d state with one value per row of a table (row-wise Adagrad sums) rides with the table's rows:
-inferred for a tracked table's optimizer state, declared with ``Checkpointer(aligned=...)`` for a
-plain dict, refused with a typed error naming the key when the declaration does not fit; a delta
+inferred for a tracked table's optimizer state and, by hashing, for optimizer state shaped
+row-wise, declared with ``Checkpointer(aligned=...)`` for a plain dict, refused with a typed error naming the key when the declaration does not fit; a delta
 then holds exactly the changed values, by marks and by hashing, and every step restores bit-exact,
 also along chains whose earlier deltas stored the state in dense chunks."""
 
@@ -130,6 +130,42 @@ def test_a_tracked_tables_rowwise_state_is_inferred_unless_ambiguous(rows, infer
         assert got["optim/state/0/sum"] == (("rows", ids.tolist()) if inferred else ("chunks", list(range(rows))))
         loaded = ckpt.load(1)
         assert same_bits(loaded["optim"]["state"][0]["sum"], opt.state[model[0].weight]["sum"])
+
+
+@pytest.mark.parametrize("path, inferred", [
+    (("state", 0, "sum"), True),  # a torch optimizer's state_dict: by parameter index
+    (("state", "emb.weight", "emb.momentum1"), True),  # a keyed (fused) optimizer's: by parameter name
+    (("acc",), False),  # a plain dict's: declared, never guessed
+])
+def test_hashing_infers_rowwise_optimizer_state_from_the_shapes(path, inferred):
+    """Without track() or a declaration, a 1-d optimizer state with one value per row of a table
+    rides with the rows by hashing: the delta holds exactly the changed values, within the bytes
+    goal; elsewhere in the state it stays in dense chunks."""
+    g = torch.Generator().manual_seed(2)
+    big = 10 * ROWS
+    emb, acc = torch.randn(big, DIM, generator=g), torch.rand(big, generator=g)
+    optim: dict = {}
+    node = optim
+    for name in path[:-1]:
+        node = node.setdefault(name, {})
+    node[path[-1]] = acc
+    key = "/".join(["optim", *map(str, path)])
+    with Checkpointer(MemoryStorage(), policy=NeverBase()) as ckpt:
+        ckpt.save(0, {"model": {"emb": emb}, "optim": optim})
+        rows = torch.randperm(big, generator=g)[: big // 100].sort().values
+        emb[rows] += 1.0
+        acc[rows] += 0.5
+        info = ckpt.save(1, {"model": {"emb": emb}, "optim": optim})
+        held = record(ckpt, 1)
+        assert held["model/emb"] == ("rows", rows.tolist())
+        assert held[key][0] == ("rows" if inferred else "chunks")
+        if inferred:
+            assert held[key][1] == rows.tolist()
+            assert info.bytes_written <= 1.1 * rows.numel() * (DIM * 4 + 4 + 8), info.bytes_written
+        loaded = ckpt.load(1)["optim"]
+        for name in path:
+            loaded = loaded[name]
+        assert same_bits(loaded, acc)
 
 
 @pytest.mark.parametrize("acc, table, why", [
