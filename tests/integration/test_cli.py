@@ -187,6 +187,19 @@ def test_demo_small(tmp_path, capsys):
     assert not (tmp_path / "bad").exists()
 
 
+def test_demo_blocking_saves_synchronously(tmp_path, capsys):
+    """With --blocking, training waits for each whole save (blocked = save time), and the run still
+    restores and resumes bit for bit."""
+    code, out, err = run(capsys, "demo", "--path", str(tmp_path), "--scale", "0.001", "--batch-size", "32",
+                         "--steps", "4", "--every", "2", "--ranks", "1", "--blocking", "--json")
+    assert code == 0, err
+    events = [json.loads(line) for line in out.splitlines()]
+    saves = [e for e in events if e["event"] == "checkpoint"]
+    assert [(e["step"], e["kind"]) for e in saves] == [(2, "base"), (4, "delta")]
+    assert all(e["blocked_seconds"] == e["seconds"] > 0 for e in saves), saves
+    assert events[-1]["event"] == "done" and events[-1]["bit_exact"]
+
+
 @pytest.mark.parametrize("world_size", [None, 3])
 def test_restore_replaces_files_only_with_force(store, tmp_path, capsys, world_size):
     """A file to write that exists is named in a one-line error and left as it was, unless
