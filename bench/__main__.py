@@ -98,10 +98,10 @@ BENCHES: tuple[Bench, ...] = (
     }),
     Bench("bench_tracking", {
         "tiny": _same("--tables 2 --rows 20000 --dim 32 --batch 256 --steps 3 --hash-mib 8 --repeat 3 "
-                      "--fractions 0.001,0.05"),
+                      "--fractions 0.001,0.01,0.05,0.2,0.5 --optimizer rowwise"),
         "quick": _same("--tables 4 --rows 100000 --dim 32 --batch 1024 --steps 5 --hash-mib 64 --repeat 3 "
-                       "--fractions 0.001,0.01,0.05,0.2,0.5"),
-        "full": _same("--fractions 0.001,0.01,0.05,0.2,0.5"),
+                       "--fractions 0.001,0.01,0.05,0.2,0.5 --optimizer rowwise"),
+        "full": _same("--fractions 0.001,0.01,0.05,0.2,0.5 --optimizer rowwise"),
     }),
     Bench("bench_chains", {
         "tiny": _same("--rows 20000 --dim 32 --chain-lengths 0,4 --policy-rows 5000 --checkpoints 12 --repeat 3"),
@@ -261,7 +261,7 @@ KEY: tuple[tuple[str, tuple[str, ...]], ...] = (
     # (bench, name prefixes of its rows shown first in summary.md and the README)
     ("bench_kernels", ("memcpy", "xxhash.xxh3_64", "hash_rows 512 B rows, 1 thread")),
     ("bench_save", ("disk write", "disk read", "deltackpt base save", "deltackpt 1% delta save",
-                    "deltackpt restore", "1% delta bytes")),
+                    "deltackpt load base step", "deltackpt restore", "1% delta bytes")),
     ("bench_distributed", ("deltackpt base save", "deltackpt 1% delta save", "deltackpt 1% delta bytes",
                            "deltackpt restore")),
     ("bench_memory", ("deltackpt", "DCP load")),
@@ -274,7 +274,8 @@ KEY: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("bench_small_tensors", ("base save", "one-row delta", "next delta", "load")),
     ("bench_quant", ("incremental only, 8-bit", "8-bit encode")),
     ("bench_export", ("export",)),
-    ("bench_control_plane", ("root record of save",)),
+    ("bench_control_plane", ("1: plan_global (coordinator)", "1: record_root (coordinator)", "ls of",
+                             "root record of save")),
     ("bench_s3", ("deltackpt s3",)),
     ("bench_torchrec", ("delta save", "restore on plan B")),
 )
