@@ -61,11 +61,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for step in store.steps():
         try:  # the records' own fields: a listing reads no tree or tensor (verify checks those)
             m = store.summary(step)
-        except ManifestError as e:
-            rows.append({"step": step, "kind": "corrupt", "error": str(e)})
-            continue
-        except DeltackptError as e:  # the record cannot be read: list it and go on
-            rows.append({"step": step, "kind": "unreadable", "error": str(e)})
+        except DeltackptError as e:  # a corrupt record, or one that cannot be read: listed, and on
+            rows.append({"step": step, "kind": "corrupt" if isinstance(e, ManifestError) else "unreadable",
+                         "error": str(e)})
             continue
         chain: list[int] | None
         try:  # where a restore starts: the base, or a later one compaction made
@@ -131,9 +129,10 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    with Checkpointer(args.path, create=False, storage_options=_options(args)) as ckpt:
+    with (Checkpointer(args.path, create=False, storage_options=_options(args)) as ckpt,
+          progress_bar(ckpt.store.manifest(args.step).state_bytes, "restore") as bar):
         written = write_step(ckpt, args.step, args.out, world_size=args.world_size, keys=args.keys,
-                             overwrite=args.force)
+                             overwrite=args.force, progress=bar.update)
     _report(args, {"step": args.step, "files": written},
             "\n".join(f"wrote step {args.step} to {path}" for path in written))
     return 0

@@ -5,24 +5,26 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import DeltackptError, OutputExistsError
 from ..sharding import Shard
-from ..statetree import child_key
+from ..statetree import child_key, flatten
 
 if TYPE_CHECKING:
     from ..checkpointer import Checkpointer
 
 
 def write_step(ckpt: Checkpointer, step: int, out: str, *, world_size: int | None = None,
-               keys: Sequence[str] | None = None, overwrite: bool = False) -> list[str]:
+               keys: Sequence[str] | None = None, overwrite: bool = False,
+               progress: Callable[[int], None] = lambda n: None) -> list[str]:
     """Writes ``step`` (its tensors ``keys``, if given) to the file ``out``, or with
     ``world_size`` to one file per rank in the folder ``out``
-    (``rank00000-of-00002.pt``...); returns the files written.
+    (``rank00000-of-00002.pt``...); returns the files written. ``progress`` is called with the
+    tensor bytes of each file written.
 
     Raises:
         OutputExistsError: a file to write exists and ``overwrite`` is False (checked before
@@ -39,7 +41,9 @@ def write_step(ckpt: Checkpointer, step: int, out: str, *, world_size: int | Non
         raise DeltackptError(f"--out: {out} is a folder; name the file to write (or pass --world-size)")
     if keys or world_size is None:
         _check_absent([out], overwrite)
-        _save_atomic(ckpt.load(step, keys=keys) if keys else ckpt.load(step), out)
+        loaded = ckpt.load(step, keys=keys) if keys else ckpt.load(step)
+        _save_atomic(loaded, out)
+        progress(_tensor_bytes(loaded))
         return [out]
     _check_absent((_rank_file(out, rank, world_size) for rank in range(world_size)), overwrite)
     os.makedirs(out, exist_ok=True)
@@ -47,11 +51,17 @@ def write_step(ckpt: Checkpointer, step: int, out: str, *, world_size: int | Non
     for rank in range(world_size):
         path = _rank_file(out, rank, world_size)
         shards: dict[str, dict[str, list[int]]] = {}
-        state = _unshard(ckpt.load(step, row_shard=(rank, world_size)), "", shards)
+        loaded = ckpt.load(step, row_shard=(rank, world_size))
+        state = _unshard(loaded, "", shards)
         doc = {"step": step, "rank": rank, "world_size": world_size, "state": state, "shards": shards}
         _save_atomic(doc, path)
         written.append(path)
+        progress(_tensor_bytes(loaded))
     return written
+
+
+def _tensor_bytes(state: Any) -> int:
+    return sum(s.local.nbytes for s in flatten(state).tensors.values())
 
 
 def _rank_file(out: str, rank: int, world_size: int) -> str:

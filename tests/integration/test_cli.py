@@ -242,6 +242,18 @@ def test_restore_per_rank_files(store, tmp_path, capsys):
     assert code == 1 and "--world-size must be >= 1, got 0" in err
 
 
+def test_restore_reports_progress_per_file(store, tmp_path):
+    """What the restore command's bar counts: the tensor bytes of each file once it is written."""
+    from deltackpt.restore.files import write_step
+
+    done: list[int] = []
+    with Checkpointer(store, create=False) as ckpt:
+        write_step(ckpt, 20, str(tmp_path / "ranks"), world_size=3, progress=done.append)
+        assert done == [34 * 16, 34 * 16, 32 * 16]  # rows of 4 float32 each
+        write_step(ckpt, 20, str(tmp_path / "one.pt"), progress=done.append)
+    assert done[3:] == [100 * 16]
+
+
 def test_compact_and_gc(store, capsys):
     code, out, _ = run(capsys, "compact", store, "--upto", "20", "--json")
     doc = json.loads(out)
