@@ -109,7 +109,8 @@ BENCHES: tuple[Bench, ...] = (
                        "--checkpoints 50 --repeat 3"),
         # Then the chains of issue 14's state: its bytes in one table, 1 % of rows a delta, uniformly.
         "full": _same("--chain-lengths 0,4,10,16,64",
-                      "--parts chains --rows 4194304 --dim 128 --touched 0.01 --zipf 0 --chain-lengths 0,4,10,16,64"),
+                      "--parts chains --rows 4194304 --dim 128 --touched 0.01 --zipf 0 "
+                      "--chain-lengths 0,4,10,16,64"),
     }),
     Bench("bench_distributed", {
         "tiny": _same("--tables 2 --rows 4096 --dim 32 --repeat 3 --worlds 1"),

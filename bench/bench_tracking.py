@@ -533,10 +533,10 @@ def figures(args, marking, hashing, finding, sweep) -> list[dict]:
                                sv[f"{how}_runs"], peer="torch.save + fsync", peer_runs=sv["torch.save_runs"]))
         rows.append(figure(f"{f:.1%} delta bytes, marks", sv["marks_bytes"], "B",
                            peer="changed rows x (row bytes + 8)", peer_runs=changed_bytes(args, sv["rows"])))
-        for how in ("marks", "hashes"):
-            rows.append(figure(f"{f:.1%} delta bytes of the tables and their state, "
-                               f"{'marks' if how == 'marks' else 'hashing'}", sv[f"{how}_tables_bytes"],
-                               "B", peer="changed rows x (row bytes + 8)", peer_runs=changed_bytes(args, sv["rows"])))
+        for how, name in (("marks", "marks"), ("hashes", "hashing")):
+            rows.append(figure(f"{f:.1%} delta bytes of the tables and their state, {name}",
+                               sv[f"{how}_tables_bytes"], "B", peer="changed rows x (row bytes + 8)",
+                               peer_runs=changed_bytes(args, sv["rows"])))
     return rows
 
 

@@ -4,8 +4,9 @@ from content hashes everywhere else.
 Tensors with two or more dimensions are row-sparse: their change set is a sorted list of row ids
 (along dimension 0). So is a 1-d tensor aligned with a table's rows (one value per row: a
 row-wise Adagrad sum), whose rows are its elements (declared, or inferred for optimizer state:
-:meth:`~deltackpt.tracking.rows.RowTracker.aligned`), so it rides with the table's rows. Others (0-d, 1-d) are dense: their change set lists fixed-size chunks of their
-bytes. Both are found one of two ways:
+:meth:`~deltackpt.tracking.rows.RowTracker.aligned`), so it rides with the table's rows. Others
+(0-d, 1-d) are dense: their change set lists fixed-size chunks of their bytes. Both are found
+one of two ways:
 
 * Hashes: a 64-bit hash per row or chunk, compared with the hashes of the last commit. Hashes
   compare bits, so a row holding the same NaN payload is unchanged and ``-0.0`` differs from

@@ -365,17 +365,17 @@ def row_wise_state(tensors: Mapping[str, torch.Tensor]) -> set[str]:
     """The 1-d optimizer state of ``tensors`` with one value per row of a table, inferred where
     the shapes leave no doubt: a floating tensor under ``<prefix>/state/<param>/<name>`` (a torch
     optimizer's, ``<param>`` its index, or a keyed optimizer's, ``<param>`` the parameter's name)
-    whose length is the row count of a tensor of two dimensions or more and no such tensor's
-    column count (a per-column factor of a square table is not row-wise). Which table it belongs
-    to does not matter here: hashed per value, its changed values are its changed rows, and a
-    tracked table's own state shares its marks (:meth:`RowTracker.resolve`).
+    whose length is the row count of a tensor of two dimensions or more with no column as many
+    (a 1-d state of a square table may be per column). Which table it belongs to does not matter
+    here: hashed per value, its changed values are its changed rows, and a tracked table's own
+    state shares its marks (:meth:`RowTracker.resolve`). Each rank infers from its own shards,
+    which a table and its state split alike.
 
     >>> sorted(row_wise_state({"emb": torch.zeros(6, 2), "optim/state/0/sum": torch.zeros(6),
     ...                        "optim/state/1/sum": torch.zeros(2), "acc": torch.zeros(6)}))
     ['optim/state/0/sum']
     """
-    tables = [t.shape for t in tensors.values() if t.dim() >= 2]
-    rows = {s[0] for s in tables} - {d for s in tables for d in s[1:]}
+    rows = {t.shape[0] for t in tensors.values() if t.dim() >= 2 and t.shape[0] not in t.shape[1:]}
     return {k for k, t in tensors.items()
             if t.dim() == 1 and t.shape[0] in rows and t.shape[0] > 1 and t.is_floating_point()
             and k.rsplit("/", 3)[-3:-2] == ["state"]}

@@ -1,8 +1,9 @@
 """1-d state with one value per row of a table (row-wise Adagrad sums) rides with the table's rows:
 inferred for a tracked table's optimizer state and, by hashing, for optimizer state shaped
-row-wise, declared with ``Checkpointer(aligned=...)`` for a plain dict, refused with a typed error naming the key when the declaration does not fit; a delta
-then holds exactly the changed values, by marks and by hashing, and every step restores bit-exact,
-also along chains whose earlier deltas stored the state in dense chunks."""
+row-wise, declared with ``Checkpointer(aligned=...)`` for a plain dict, refused with a typed error
+naming the key when the declaration does not fit; a delta then holds exactly the changed values,
+by marks and by hashing, and every step restores bit-exact, also along chains whose earlier deltas
+stored the state in dense chunks."""
 
 from __future__ import annotations
 
@@ -240,3 +241,38 @@ def split_job(rank: int, world: int, root: str) -> str:
 def test_ranks_that_disagree_on_an_alignment_are_refused_naming_the_key(tmp_path):
     for why in check_ok(run_ranks(split_job, 2, str(tmp_path), str(tmp_path), deadline=120)):
         assert "optim/acc" in why and "aligned" in why, why
+
+
+def sharded_state_job(rank: int, world: int, root: str) -> tuple[list[str], bool]:
+    """A table and its optimizer-shaped row-wise state split unevenly by rows over the ranks, beside
+    a layer split by columns as wide as each rank's rows: a hashing delta; the encodings it chose,
+    and whether the step loads back bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    emb, acc = torch.randn(ROWS, DIM, generator=g), torch.rand(ROWS, generator=g)
+    cut = ROWS // 2 + 100
+    lo, hi = (0, cut) if rank == 0 else (cut, ROWS)
+
+    def state() -> dict:
+        return {"model": {"emb": Shard(emb[lo:hi].clone(), global_shape=(ROWS, DIM), global_offset=(lo, 0)),
+                          "dense": Shard(torch.ones(4, hi - lo), global_shape=(4, ROWS), global_offset=(0, lo))},
+                "optim": {"state": {0: {"sum": Shard(acc[lo:hi].clone(), global_shape=(ROWS,),
+                                                     global_offset=(lo,))}}}}
+
+    with Checkpointer(f"{root}/store", policy=NeverBase()) as ckpt:
+        ckpt.save(0, state())
+        touched = torch.arange(0, ROWS, 97)
+        emb[touched] += 1.0
+        acc[touched] += 0.5
+        ckpt.save(1, state())
+        m = ckpt.store.manifest(1)
+        encodings = [m.tensors[k].encoding.name for k in ("model/emb", "optim/state/0/sum")]
+        got = ckpt.load(1)
+    same = same_bits(got["model"]["emb"], emb) and same_bits(got["optim"]["state"][0]["sum"], acc)
+    return encodings, same
+
+
+def test_ranks_infer_rowwise_state_from_their_own_shards(tmp_path):
+    """Each rank infers the state row-wise from its own shards, also where its row count is another
+    tensor's width there (only a table's own columns make it ambiguous): the delta holds rows."""
+    for encodings, same in check_ok(run_ranks(sharded_state_job, 2, str(tmp_path), str(tmp_path), deadline=120)):
+        assert encodings == ["rows", "rows"] and same, (encodings, same)
