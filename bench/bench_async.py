@@ -3,10 +3,11 @@ side in one run: how long training is blocked per checkpoint, how long a save ta
 how much slower training runs while a save finishes behind it, the host memory a save adds, and
 how long the first save of a fresh process blocks.
 
-The state is a DLRM-like model: ``--tables`` sparse EmbeddingBags of ``--rows`` x ``--dim`` float32
-rows with Adagrad (its per-row sum doubles the tables' bytes) and a small dense MLP; the
-checkpointer tracks the tables, so a delta writes the rows training marked. The default size is
-~2.2 GB (8 tables of 524,288 x 64 and their sums); ``--quick`` is 128 MiB. Each round, in turn:
+The state is a DLRM-like model, the state of ``bench_distributed.py``: ``--tables`` sparse
+EmbeddingBags of ``--rows`` x ``--dim`` float32 rows with row-wise Adagrad (one sum per row, 1-d)
+and a small dense MLP with Adagrad; the checkpointer tracks the tables with their optimizer, so a
+delta writes the rows training marked and their sums. The default size is ~2.2 GB (8 tables of
+524,288 x 128); ``--quick`` is 64 MiB (4 tables of 65,536 x 64). Each round, in turn:
 
   blocking    a base, a training step touching ``--delta`` of every table's rows, a delta,
               another training step and a later base of the same checkpointer; the first base
@@ -66,10 +67,12 @@ import torch
 from torch import nn
 
 import deltackpt
-from deltackpt import Checkpointer
+from deltackpt import Checkpointer, statetree
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import cpu_seconds, direct_bandwidth, figure, json_option, others_cpu, write_figures  # noqa: E402
+from common import (  # noqa: E402
+    RowwiseAdagrad, cpu_seconds, direct_bandwidth, figure, json_option, others_cpu, write_figures,
+)
 
 MiB = 1 << 20
 AUDITS = 8  # the audits part's deltas, and its audit_every
@@ -77,22 +80,26 @@ DELTAS_BESIDE = 4  # background deltas a round with training beside them (and ba
 QUICK = {"tables": 4, "rows": 65_536, "dim": 64, "steps": 5}
 
 
-def build(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
+def build(args: argparse.Namespace) -> tuple[nn.Module, tuple[torch.optim.Optimizer, torch.optim.Optimizer], dict]:
+    """The model, its optimizers (the tables', tracked, then the MLP's) and the state saved."""
     torch.manual_seed(args.seed)
     model = nn.ModuleDict({
         "tables": nn.ModuleList(nn.EmbeddingBag(args.rows, args.dim, mode="sum", sparse=True)
                                 for _ in range(args.tables)),
         "mlp": nn.Sequential(nn.Linear(args.dim, 64), nn.ReLU(), nn.Linear(64, 1)),
     })
-    opt = torch.optim.Adagrad(model.parameters(), lr=0.01)
-    return model, opt, {"model": model, "optim": opt, "step": 0}
+    opts = RowwiseAdagrad(model["tables"].parameters(), lr=0.01), torch.optim.Adagrad(model["mlp"].parameters())
+    return model, opts, {"model": model, "optim": opts[0], "dense_optim": opts[1], "step": 0}
 
 
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, rows: int, n: int, gen: torch.Generator) -> None:
-    opt.zero_grad()
+def train_step(model: nn.Module, opts: tuple[torch.optim.Optimizer, ...], rows: int, n: int,
+               gen: torch.Generator) -> None:
+    for opt in opts:
+        opt.zero_grad()
     pooled = sum(t(torch.randint(0, rows, (n, 1), generator=gen)) for t in model["tables"])
     model["mlp"](pooled).sum().backward()
-    opt.step()
+    for opt in opts:
+        opt.step()
 
 
 def resident(field: str = "VmRSS") -> int:
@@ -189,7 +196,7 @@ def main() -> None:
         f"--{k} {v}" for k, v in QUICK.items()))
     p.add_argument("--tables", type=int, default=8)
     p.add_argument("--rows", type=int, default=524_288)
-    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--dim", type=int, default=128)
     p.add_argument("--delta", type=float, default=0.01, help="share of rows a delta's step touches")
     p.add_argument("--steps", type=int, default=10, help="training steps timed with no save running")
     p.add_argument("--budget-mib", type=int, default=None,
@@ -207,14 +214,15 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="deltackpt-bench-async-", dir=args.dir)
     print(f"deltackpt from {os.path.dirname(deltackpt.__file__)}; torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs, 1 training thread, {args.save_threads} threads a checkpointer")
-    model, opt, state = build(args)
+    model, opts, state = build(args)
+    opt = opts[0]  # the tables', tracked
     gen = torch.Generator().manual_seed(args.seed)
-    train_step(model, opt, args.rows, 1, gen)
-    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 2
+    train_step(model, opts, args.rows, 1, gen)
+    nbytes = sum(s.local.nbytes for s in statetree.flatten(state).tensors.values())
     chunk = 32 * MiB
     budget = args.budget_mib * MiB if args.budget_mib else max(2, -(-nbytes // chunk)) * chunk
     touched = max(1, int(args.delta * args.rows))
-    print(f"state: {args.tables} tables of {args.rows} x {args.dim} with Adagrad, {nbytes / 1e9:.2f} GB; "
+    print(f"state: {args.tables} tables of {args.rows} x {args.dim} with row-wise Adagrad, {nbytes / 1e9:.2f} GB; "
           f"a delta's step touches {touched} rows a table; staging budget {budget / MiB:.0f} MiB")
     figures: dict[str, list[float]] = {}
 
@@ -222,7 +230,7 @@ def main() -> None:
         figures.setdefault(name, []).append(value)
 
     def train() -> None:
-        train_step(model, opt, args.rows, touched, gen)
+        train_step(model, opts, args.rows, touched, gen)
 
     try:
         import torch.distributed as dist
@@ -235,7 +243,7 @@ def main() -> None:
         have_dcp = False
 
     def dcp_save(what: str, path: str) -> None:
-        sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+        sd = {"model": model.state_dict(), "optim": opt.state_dict(), "dense_optim": opts[1].state_dict()}
         t0 = time.perf_counter()
 
         def run() -> None:

@@ -54,7 +54,7 @@ import numba
 import numpy as np
 import torch
 import xxhash
-from common import cpu_seconds, figure, json_option, others_cpu, write_figures  # bench/common.py
+from common import RowwiseAdagrad, cpu_seconds, figure, json_option, others_cpu, write_figures  # bench/common.py
 from deltackpt.kernels import reference
 from torch import nn
 
@@ -135,24 +135,6 @@ def make_batch(args: argparse.Namespace, gen: torch.Generator, ids: list[torch.T
     dense = torch.rand(bags, 13, generator=gen)
     labels = (torch.rand(bags, generator=gen) < 0.5).float()
     return dense, ids, offsets, labels
-
-
-class RowwiseAdagrad(torch.optim.Optimizer):
-    """Adagrad with one accumulator per row (a 1-d sum per table), as FBGEMM's row-wise Adagrad."""
-
-    def __init__(self, params, lr: float = 0.05):
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    g = p.grad.coalesce()
-                    ids, vals = g.indices()[0], g.values()
-                    acc = self.state[p].setdefault("sum", torch.zeros(p.shape[0]))
-                    acc.index_add_(0, ids, vals.pow(2).mean(1))
-                    p.index_add_(0, ids, -group["lr"] * vals / (acc[ids].sqrt() + 1e-10)[:, None])
 
 
 def make_optimizers(model: DLRM, kind: str = "adagrad") -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 
 from deltackpt.io.staging import aligned_buffer
 
@@ -191,3 +192,21 @@ def json_option(parser: argparse.ArgumentParser) -> None:
     """Adds ``--json PATH`` (write the figures there as JSON as well as printing them)."""
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="also write the figures as JSON to PATH (read by python -m bench)")
+
+
+class RowwiseAdagrad(torch.optim.Optimizer):
+    """Adagrad with one accumulator per row (a 1-d sum per table), as FBGEMM's row-wise Adagrad."""
+
+    def __init__(self, params, lr: float = 0.05):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    g = p.grad.coalesce()
+                    ids, vals = g.indices()[0], g.values()
+                    acc = self.state[p].setdefault("sum", torch.zeros(p.shape[0]))
+                    acc.index_add_(0, ids, vals.pow(2).mean(1))
+                    p.index_add_(0, ids, -group["lr"] * vals / (acc[ids].sqrt() + 1e-10)[:, None])
