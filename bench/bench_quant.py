@@ -14,9 +14,10 @@ store    One float32 table (``--table-rows`` x 128, default 32 MiB) over ``--che
          (default 200), the updates of ``bench/bench_chains.py`` (Zipf row ids, ~3 % of rows per
          interval), per base-cadence policy, exact and quantized (``quantize={"emb":
          Rowwise(...)}``; bases exact): bytes a delta writes per changed row and its ratio to
-         the exact delta's, bytes written, bytes on disk, capacity against full checkpoints
-         (``checkpoints x table`` over the bytes on disk), and the last step's worst restored
-         error over its recorded chain bound (checked to be at most 1).
+         the exact delta's, the median time of the run's delta saves beside the exact run's,
+         bytes written, bytes on disk, capacity against full checkpoints (``checkpoints x
+         table`` over the bytes on disk), and the last step's worst restored error over its
+         recorded chain bound (checked to be at most 1).
 dlrm     The example DLRM on the Criteo-like stream, trained ``--dlrm-steps`` saving every 2
          steps; it fails 1, 3 or 10 times and resumes from the latest step each time (a fresh
          model, restored): evaluation loss (16 held-out batches) relative to the same run with
@@ -157,12 +158,13 @@ def run_store(args: argparse.Namespace, scratch: str, out: list[dict]) -> None:
     policies = [("incremental only", INCREMENTAL), ("Intermittent(1.0)", Intermittent(1.0)),
                 ("EveryK(50)", EveryK(50))]
     for pname, policy in policies:
-        exact_per_row = None
+        exact_per_row = exact_s = None
         for qname, rule in QUANTIZE:
             path = os.path.join(scratch, f"{pname}-{qname}".replace(" ", "_"))
             table = w.table()
             written = 0
             delta_bytes = delta_rows = 0
+            delta_s: list[float] = []
             with Checkpointer(path, policy=policy, quantize={"emb": rule} if rule else None) as ckpt:
                 for step in range(n):
                     if step:
@@ -172,6 +174,7 @@ def run_store(args: argparse.Namespace, scratch: str, out: list[dict]) -> None:
                     if info.kind == "delta":
                         delta_bytes += info.bytes_written
                         delta_rows += info.rows_changed
+                        delta_s.append(info.seconds)
                 got = ckpt.load(n - 1)["emb"]
                 bound = ckpt.store.manifest(n - 1).tensors["emb"].lossy
             err = float((got - table).abs().max())
@@ -182,6 +185,8 @@ def run_store(args: argparse.Namespace, scratch: str, out: list[dict]) -> None:
                 raise AssertionError(f"{pname} {qname}: error {err} beyond the recorded bound")
             per_row = delta_bytes / max(1, delta_rows)
             exact_per_row = exact_per_row or per_row
+            median_s = statistics.median(delta_s) if delta_s else 0.0
+            exact_s = exact_s or median_s
             disk = disk_usage(path)[0]
             print(f"{pname:<26} {qname:<15} {per_row:>13.1f} {exact_per_row / per_row:>7.2f}x "
                   f"{written / 2**20:>11.1f} {disk / 2**20:>9.1f} {n * full / disk:>8.1f}x {ratio:>13.3f}",
@@ -189,6 +194,8 @@ def run_store(args: argparse.Namespace, scratch: str, out: list[dict]) -> None:
             out.append(figure(f"{pname}, {qname}: bytes per changed row", per_row, "B", peer="exact",
                               peer_runs=exact_per_row))
             out.append(figure(f"{pname}, {qname}: capacity vs full checkpoints", n * full / disk, "x"))
+            out.append(figure(f"{pname}, {qname}: delta save, median of the run's", median_s, "s",
+                              peer="exact", peer_runs=exact_s))
             shutil.rmtree(path, ignore_errors=True)
 
 
