@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .. import kernels  # installed from kernels/, see pyproject
-from .references import Reference, TensorChange
+from .references import Reference, TensorChange, same_tensors
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,7 @@ class Layout:
     def fits(self, tensors: dict[str, torch.Tensor], aligned: set[str]) -> bool:
         """Whether ``tensors`` are this layout's, in order, the same objects, scanned with the
         same ``aligned`` keys."""
-        return (len(tensors) == len(self.tensors) and all(map(operator.is_, tensors.values(), self.tensors))
-                and list(tensors) == self.keys and self.aligned == aligned)
+        return same_tensors(tensors, self.keys, self.tensors) and self.aligned == aligned
 
 
 def lay_out(tensors: Mapping[str, torch.Tensor], refs: Mapping[str, Reference], aligned: set[str],

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -17,6 +19,14 @@ SMALL_TENSOR_BYTES = 1 << 16
 
 def is_row_sparse(t: torch.Tensor) -> bool:
     return t.dim() >= 2
+
+
+def same_tensors(tensors: Mapping[str, torch.Tensor], keys: list[str], objects: list[torch.Tensor]) -> bool:
+    """Whether ``tensors`` are ``objects`` under ``keys``, in order, the same objects: what was
+    found of them holds, for a tensor given again keeps its dtype, shape and strides (see
+    :meth:`~deltackpt.tracking.changes.ChangeTracker.scan`)."""
+    return (len(tensors) == len(objects) and all(map(operator.is_, tensors.values(), objects))
+            and list(tensors) == keys)
 
 
 def is_small(t: torch.Tensor) -> bool:

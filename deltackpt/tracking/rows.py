@@ -47,6 +47,7 @@ from ..errors import StateError
 from ..statetree import child_key
 from . import lookups
 from .marks import Canary, TrackedTable
+from .references import same_tensors
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class RowTracker:
         self._params: dict[str, tuple[torch.Tensor, tuple[torch.optim.Optimizer, str] | None]] = {}
         self._warned: set[str] = set()
         self._polls: list[Callable[[], None]] = []  # mark sources read at each save (TorchRec's)
+        self._row_wise: tuple[list[str], list[torch.Tensor], set[str]] = ([], [], set())  # the last inference
 
     # -- registration ---------------------------------------------------------------------------
 
@@ -300,7 +302,12 @@ class RowTracker:
             StateError: a declared tensor is not 1-d, or its table (when present) has not two
                 dimensions or more and as many rows as it has values.
         """
-        out = {k for g in groups for k in g.keys if tensors[k].dim() == 1} | row_wise_state(tensors)
+        # The same tensor objects keep their shapes from save to save (see ChangeTracker.scan).
+        keys, ts, inferred = self._row_wise
+        if not same_tensors(tensors, keys, ts):
+            inferred = row_wise_state(tensors)
+            self._row_wise = list(tensors), list(tensors.values()), inferred
+        out = {k for g in groups for k in g.keys if tensors[k].dim() == 1} | inferred
         for key, table in self.declared.items():
             t, tab = tensors.get(key), tensors.get(table)
             if t is None:
