@@ -33,11 +33,13 @@ def test_one_percent_delta_of_a_million_row_table(store_path):
 
 def test_a_delta_pads_less_than_one_block_per_chunk(store_path):
     """The pack's files hold the changed rows and chunks with less than one 4 KiB block of
-    padding per chunk, however many staging buffers and chunks the delta spans."""
+    padding per chunk, however many staging buffers and chunks the delta spans, and so does
+    each part's rows, rows wider than a block too."""
     gen = torch.Generator().manual_seed(1)
     state = {
         "table": torch.randn(200_000, 24, generator=gen),  # 96 B rows
         "wide": torch.randn(3000, 1000, generator=gen),  # 4000 B rows
+        "wider": torch.randn(1203, 2500, generator=gen),  # 10,000 B rows
         "vec": torch.randn(1_300_001, generator=gen),  # chunks of about 1 MiB, an odd number
         "count": torch.arange(5000),
     }
@@ -45,6 +47,7 @@ def test_a_delta_pads_less_than_one_block_per_chunk(store_path):
         ckpt.save(0, state)
         state["table"][::7] += 1  # 2.7 MB of rows: three rows chunks
         state["wide"][::3] += 1
+        state["wider"][::3] += 1  # 401 rows, a prime: an even split of 101 a chunk pads 3 rows
         state["vec"][::100_000] += 1  # every chunk, the short last one too
         state["count"][-1] += 1
         info = ckpt.save(1, state)
@@ -56,7 +59,10 @@ def test_a_delta_pads_less_than_one_block_per_chunk(store_path):
         for part in rec.parts:
             chunks += len(part.chunks)
             if rec.encoding.name == "rows":  # the rows, and the ids as stored (coded)
-                payload += part.changed * t[0].numel() * t.element_size()
+                rows = part.changed * t[0].numel() * t.element_size()
+                stored = [c[0] for name, c in part.chunks.items() if name.startswith("rows/")]
+                assert 0 <= sum(stored) - rows < 4096 * len(stored), (key, sum(stored), rows, len(stored))
+                payload += rows
                 payload += sum(c[0] for name, c in part.chunks.items() if name.startswith("ids/"))
             elif compresses(t.dtype):  # coded, padding and all: as stored
                 payload += sum(c[0] for c in part.chunks.values())

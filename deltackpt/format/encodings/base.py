@@ -44,12 +44,25 @@ if TYPE_CHECKING:
 Job = Callable[[], object]
 
 
+PAD_BLOCK = 4096  # a disk block: the edge chunk pads less than one per chunk
+
+
 def rows_per_chunk(rows: int, row_bytes: int, chunk_bytes: int) -> int:
-    """Rows per chunk: about ``chunk_bytes`` each, split evenly so the edge chunk pads little."""
+    """Rows per chunk: at most ``chunk_bytes`` each (one row at least), split evenly, so the edge
+    chunk pads less than one row per chunk; for rows wider than :data:`PAD_BLOCK`, fewer rows a
+    chunk until it pads less than one block per chunk (one row a chunk pads none).
+
+    Example:
+        >>> rows_per_chunk(1000, 4, 1024), rows_per_chunk(401, 10_000, 1 << 20)
+        (250, 67)
+    """
     if rows == 0:
         return 1
     target = max(1, chunk_bytes // max(1, row_bytes))
-    return -(-rows // -(-rows // target))
+    per = -(-rows // -(-rows // target))
+    while per > 1 and (-(-rows // per) * per - rows) * row_bytes >= -(-rows // per) * PAD_BLOCK:
+        per -= 1
+    return per
 
 
 def dense_chunk_elems(numel: int, itemsize: int, dense_chunk_bytes: int) -> int:
