@@ -9,8 +9,10 @@ and a small dense MLP with Adagrad; the checkpointer tracks the tables with thei
 delta writes the rows training marked and their sums. The default size is ~2.2 GB (8 tables of
 524,288 x 128); ``--quick`` is 64 MiB (4 tables of 65,536 x 64). Each round, in turn:
 
-  blocking    a base, a training step touching ``--delta`` of every table's rows, a delta,
-              another training step and a later base of the same checkpointer; the first base
+  blocking    a base, then ``DELTAS_TIMED`` times a training step touching ``--delta`` of every
+              table's rows and a delta, then another training step and a later base of the same
+              checkpointer (each delta a sample: a job's deltas mostly follow deltas, not a
+              base, and one delta a round made three samples of a noisy figure); the first base
               stages into buffers no save has touched (the process's staging reserve is
               released first, see ``deltackpt.release_staging_memory``), the later one into
               those the first touched
@@ -76,6 +78,7 @@ from common import (  # noqa: E402
 
 MiB = 1 << 20
 AUDITS = 8  # the audits part's deltas, and its audit_every
+DELTAS_TIMED = 3  # deltas a round between the blocking and background rounds' base and later base
 DELTAS_BESIDE = 4  # background deltas a round with training beside them (and bare writers of their bytes)
 QUICK = {"tables": 4, "rows": 65_536, "dim": 64, "steps": 5}
 
@@ -265,8 +268,8 @@ def main() -> None:
             """A base, then after a training step each a delta (or a later base, for the label
             "later base"), each saved by ``save(ckpt, label, step)`` into a fresh store of its own."""
             path = os.path.join(root, f"r{r}-{name}")
-            with Checkpointer(path, base_every=2 if "later base" in labels else 1000, memory_budget=budget,
-                              threads=args.save_threads) as ckpt:
+            with Checkpointer(path, base_every=len(labels) - 1 if "later base" in labels else 1000,
+                              memory_budget=budget, threads=args.save_threads) as ckpt:
                 ckpt.track(model, prefix="model", optimizer=opt)
                 for i, what in enumerate(labels):
                     if i:
@@ -297,7 +300,7 @@ def main() -> None:
         # of the same checkpointer into those of the first, as a job's bases after its first.
         for name, save in (("blocking", blocking), ("background", background)):
             deltackpt.release_staging_memory()
-            base_then_delta(name, ("base", "1% delta", "later base"), save)
+            base_then_delta(name, ("base", *["1% delta"] * DELTAS_TIMED, "later base"), save)
         # Training beside the saves (its steps would grow the delta above, so apart from it).
         written: dict[str, int] = {}
         # A delta finishes within a step or two: DELTAS_BESIDE of them a round, each a sample.
