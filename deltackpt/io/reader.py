@@ -130,9 +130,11 @@ class ChainReader:
         # Nor has a part that changed nothing and lists no chunk anything to read, claim or check.
         hits = [hit for hit in hits if hit[2].touched]
         self.run([partial(self.ids, m, key, part) for m, rec, part, _ in hits if rec.encoding.claims == "rows"])
-        covers = Covers.of(box, [part.box for _, _, part, _ in hits])
-        jobs = [job for m, rec, part, inter in hits
-                for job in rec.encoding.read(self, m, key, rec, part, inter, dest, box, covers, hashes)]
+        jobs: list[Job] = []
+        if hits:  # no delta to replay (a base's read, most tensors of a state): no cover to make
+            covers = Covers.of(box, [part.box for _, _, part, _ in hits])
+            jobs = [job for m, rec, part, inter in hits
+                    for job in rec.encoding.read(self, m, key, rec, part, inter, dest, box, covers, hashes)]
         if base is not None:
             m, rec = base
             self.run([job for part in rec.parts_meeting(box) for inter in [part.box.intersect(box)]
