@@ -47,7 +47,7 @@ from ..format.encodings import dense_chunk_elems
 from .hashing import Hasher
 from .marks import TableMode, TrackedTable, draw_rows
 from .joined import Joined, Layout, lay_out, scan_small, settle
-from .references import NO_IDS, SMALL_TENSOR_BYTES, Reference, TensorChange, is_row_sparse, joined_piece
+from .references import NO_IDS, SMALL_TENSOR_BYTES, Reference, TensorChange, is_row_sparse, is_small, joined_piece
 from .rows import RowTracker, TrackedGroup
 
 log = logging.getLogger(__name__)
@@ -198,9 +198,11 @@ class ChangeTracker:
         return {k: found[k] for k in tensors}, joined
 
     def row_hashed(self, tensors: Mapping[str, torch.Tensor]) -> set[str]:
-        """The keys of ``tensors`` whose references are a hash per row (the others': per chunk)."""
+        """The keys of ``tensors`` whose references are a hash per row (the others': per chunk)
+        that a restore's reads hash as they write them: not the small ones, which :meth:`reset`
+        hashes in one call (a restore of 8,000 tiny tables spent 0.8-1 s hashing each on its own)."""
         self._aligned = self.rows.aligned(tensors, self.rows.resolve(tensors))
-        return {k for k, t in tensors.items() if self.by_rows(k, t)}
+        return {k for k, t in tensors.items() if self.by_rows(k, t) and not is_small(t)}
 
     def reset(self, tensors: dict[str, torch.Tensor],
               row_hashes: Mapping[str, torch.Tensor] | None = None) -> None:
@@ -218,14 +220,12 @@ class ChangeTracker:
         groups = self.rows.resolve(tensors)
         self._aligned = self.rows.aligned(tensors, groups)
 
-        def ref(key: str, t: torch.Tensor) -> Reference:
-            by_rows = self.by_rows(key, t)
-            h = given.get(key)
-            if h is None or not by_rows or h.shape != (t.shape[0],):
-                h = self.hash(t, by_rows)
-            return Reference(t.dtype, tuple(t.shape), h, by_rows)
-
-        self._refs = {k: ref(k, t) for k, t in tensors.items()}
+        by_rows = {k: self.by_rows(k, t) for k, t in tensors.items()}
+        taken = {k: h for k, h in given.items()
+                 if k in tensors and by_rows[k] and h.shape == (tensors[k].shape[0],)}
+        hashed, _ = self.hash_many({k: t for k, t in tensors.items() if k not in taken})  # small ones: one call
+        self._refs = {k: Reference(t.dtype, tuple(t.shape), taken[k] if k in taken else hashed[k], by_rows[k])
+                      for k, t in tensors.items()}
         self._joined = self._scanned_joined = self._layout = None
         for group in groups:
             group.table.restored(group.rows, tensors[group.keys[0]].device)

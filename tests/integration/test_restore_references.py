@@ -1,7 +1,8 @@
 """After a restore, the next delta finds exactly the rows that changed since: the restore's reads
-hash the rows they write (no second pass over the restored tensors), for bases, chains, chains
-after compaction, N -> M restores and partial (column-wise, table-wise) restores; a store whose
-bytes do not match its record is refused, never hashed."""
+hash the rows they write (no second pass over the restored tensors but over the small ones,
+hashed together in one call), for bases, chains, chains after compaction, N -> M restores and
+partial (column-wise, table-wise) restores; a store whose bytes do not match its record is
+refused, never hashed."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from deltackpt import Checkpointer, IntegrityError, MemoryStorage, Shard
 from deltackpt.io.reader import ChainReader
 from deltackpt.io.staging import StagingPool
 from deltackpt.tracking.changes import ChangeTracker
+from deltackpt.tracking.references import SMALL_TENSOR_BYTES
 from dist_harness import check_ok, run_ranks
 from helpers import same_bits
 
@@ -105,23 +107,32 @@ def test_the_delta_after_a_restore_holds_exactly_the_rows_touched(source):
         assert info.rows_changed == len(touched) + 2 + 1
 
 
-def test_a_restore_hashes_no_row_sparse_tensor_after_reading_it(monkeypatch):
+def test_a_restore_hashes_no_large_row_sparse_tensor_after_reading_it(monkeypatch):
+    """The reads hash the rows of a row-sparse tensor above SMALL_TENSOR_BYTES as they write them;
+    the small tensors are hashed after the reads, all in one call."""
+    g = torch.Generator().manual_seed(3)
+    state = {"big": torch.randn(3000, 8, generator=g), **make_state(g)}
+    assert state["big"].nbytes > SMALL_TENSOR_BYTES >= max(t.nbytes for k, t in state.items() if k != "big")
     storage = MemoryStorage()
-    saved = saved_chain(storage, 4)
-    hashed: list[tuple[int, ...]] = []
-    real = ChangeTracker.hash
+    with Checkpointer(storage, policy=NeverBase(), chunk_bytes=4096, memory_budget=1 << 16) as ckpt:
+        ckpt.save(0, state)
+        update(state, 1, g)
+        state["big"][[5, 2999]] += 1.0
+        ckpt.save(1, state)
+    hashed: list[list[str]] = []
+    real = ChangeTracker.hash_many
 
-    def counting(self, t, by_rows):
-        hashed.append(tuple(t.shape))
-        return real(self, t, by_rows)
+    def counting(self, tensors):
+        hashed.append(sorted(tensors))
+        return real(self, tensors)
 
-    with Checkpointer(storage, policy=NeverBase(), chunk_bytes=512, memory_budget=8192) as ckpt:
-        got = {k: torch.zeros_like(v) for k, v in saved[3].items()}
-        monkeypatch.setattr(ChangeTracker, "hash", counting)
-        ckpt.restore(got, 3)
-        assert sorted(hashed) == [(), (ROWS,)]  # the 0-d and 1-d tensors only: hashed per chunk
+    with Checkpointer(storage, policy=NeverBase(), chunk_bytes=4096, memory_budget=1 << 16) as ckpt:
+        got = {k: torch.zeros_like(v) for k, v in state.items()}
+        monkeypatch.setattr(ChangeTracker, "hash_many", counting)
+        ckpt.restore(got, 1)
         monkeypatch.undo()
-        assert ckpt.save(4, got).rows_changed == 0
+        assert hashed == [sorted(k for k in state if k != "big")]
+        assert ckpt.save(2, got).rows_changed == 0
 
 
 def test_a_chunk_that_does_not_match_its_record_is_refused(tmp_path):
