@@ -274,7 +274,7 @@ KEY: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("bench_busy", ("1% delta", "base save")),
     ("bench_async", ("base background: blocked", "1% delta background: blocked",
                      "1% delta background, every table audited", "first background save", "train step beside")),
-    ("bench_small_tensors", ("base save", "one-row delta", "next delta", "load")),
+    ("bench_small_tensors", ("base save", "one-row delta", "next delta", "load", "restore after 10 deltas")),
     ("bench_quant", ("incremental only, 8-bit", "8-bit encode")),
     ("bench_export", ("export",)),
     ("bench_control_plane", ("1: plan_global (coordinator)", "1: record_root (coordinator)", "ls of",

@@ -3,7 +3,8 @@ tiny tensors (an LLM's parameters, optimizer state and buffers), against ``torch
 ``torch.load`` of the same state, with the files and the record size each base costs; then a
 load through a chain of ten one-row deltas against the load through one (every delta's record
 lists every tensor, so each delta of the chain costs a read of its record and a look at each
-tensor's entry in it).
+tensor's entry in it), and a restore through that chain into the live state (a job's resume)
+against ``torch.load`` and a copy of each tensor into the state.
 
 Run: ``python bench/bench_small_tensors.py [--tensors 20000] [--repeat 3] [--dir DIR]``.
 Prints one line per measure (the median of ``--repeat`` runs); ``--json PATH`` writes them as JSON.
@@ -59,6 +60,12 @@ def run(n: int, where: str) -> dict[str, float]:
     t0 = time.perf_counter()
     torch.load(pt, weights_only=True)
     out["torch.load s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    loaded = torch.load(pt, weights_only=True)
+    for k, t in state.items():
+        t.copy_(loaded[k])
+    out["torch.load and copy into the state s"] = time.perf_counter() - t0
+    del loaded
     root = os.path.join(where, "store")
     with Checkpointer(root, policy=EveryK(1000)) as ckpt:
         t0 = time.perf_counter()
@@ -92,6 +99,10 @@ def run(n: int, where: str) -> dict[str, float]:
         t0 = time.perf_counter()
         ckpt.load(CHAIN)
         out[f"load after {CHAIN} deltas s"] = time.perf_counter() - t0
+    with Checkpointer(root, create=False) as ckpt:  # a job's resume: into its live state
+        t0 = time.perf_counter()
+        ckpt.restore(state, CHAIN)
+        out[f"restore after {CHAIN} deltas s"] = time.perf_counter() - t0
     return out
 
 
@@ -116,7 +127,8 @@ def main() -> None:
         print(f"  {k:<20} {v:.3f}" if v < 1000 else f"  {k:<20} {v:.0f}")
     print(f"  {'base / torch.save':<20} {med['base save s'] / med['torch.save s']:.3f}")
     peers = {"base save s": "torch.save s", "one-row delta s": "torch.save s", "next delta s": "torch.save s",
-             "load s": "torch.load s", f"load after {CHAIN} deltas s": "load s"}
+             "load s": "torch.load s", f"load after {CHAIN} deltas s": "load s",
+             f"restore after {CHAIN} deltas s": "torch.load and copy into the state s"}
     write_figures(args.json, "bench_small_tensors", args, [
         figure(k.removesuffix(" s"), v, "s" if k.endswith(" s") else ("files" if k == "base files" else "B"),
                peer=peers[k].removesuffix(" s") if k in peers else None, peer_runs=runs.get(peers.get(k, "")))
