@@ -292,6 +292,33 @@ def test_a_bad_node_deep_in_the_tree_is_named_by_its_path(stored):
         parse(doc, tables)
 
 
+def test_a_record_after_a_sound_one_is_checked_unless_its_keys_and_tree_are_the_same(stored):
+    """A chain's records list the same keys and tree, checked once; a record that differs from
+    the last sound one in either is checked in full."""
+    record, tables = stored
+    parse(record, tables)  # sound: its keys and tree are remembered
+    m = parse(json.loads(json.dumps(record)), tables)  # equal: not checked again, parsed the same
+    assert m.to_doc() == parse(record, tables).to_doc()
+    renamed = json.loads(json.dumps(record))
+    renamed["tree"] = {"dict": [[k, {"tensor": "v" if k == "w" else "w"} if "tensor" in n else n]
+                                for k, n in record["tree"]["dict"]]}  # still sound: checked, kept
+    parse(renamed, tables)
+    for bad, why in ((dict(record, tree={"dict": [["w", {"tensor": "w"}]]}), "does not name tensor"),
+                     (dict(record, tree={"dict": [["a", {"tensor": "nope"}]]}), "is not in 'tensors'")):
+        with pytest.raises(ManifestError, match=why):
+            parse(json.loads(json.dumps(bad)), tables)
+    parse(record, tables)
+    unnamed = json.loads(json.dumps(record))  # the last sound record's tree, one key more
+    unnamed["tensors"]["x"] = unnamed["tensors"]["v"]
+    with pytest.raises(ManifestError, match="does not name tensor 'x'"):
+        parse(unnamed, tables)
+    bad_key = json.loads(json.dumps(record))
+    bad_key["tensors"]["a/../b"] = bad_key["tensors"].pop("v")
+    bad_key["tree"] = json.loads(json.dumps(record["tree"]).replace('"tensor": "v"', '"tensor": "a/../b"'))
+    with pytest.raises(ManifestError, match="no folder name"):
+        parse(bad_key, tables)
+
+
 def test_tensor_entries_are_what_json_dumps_makes_of_them():
     # Entries of equal fields share their encoding; keys are encoded one by one, as json.dumps
     # encodes them (quotes, backslashes, non-ASCII), and the whole is json.dumps's bytes.
