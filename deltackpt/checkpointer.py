@@ -266,7 +266,7 @@ class Checkpointer:
         place; modules get their parameters and buffers filled in place; other objects with
         ``load_state_dict`` (optimizers) are loaded from the saved state; plain values are
         replaced in their dicts and lists. Afterwards the next save can be a delta against ``step``
-        (the reads hash the rows they restore for it); after a failed restore it is a base. On
+        (the restore hashes what it wrote, for it); after a failed restore it is a base. On
         several ranks, a rank may hold only some tensors; together they hold every saved tensor.
 
         Returns:
