@@ -62,7 +62,7 @@ def restore(state: Mapping[str, Any], step_of: Callable[[], int], *, store: Stor
         planned = plan if last is m else plan_restore(state, last, partial=coll.size > 1)
         live = {k: s.local for k, s in statetree.flatten(state).tensors.items()}
         reader = ChainReader(store.storage, through, pool, executor, planned.covered)
-        hashes = fill(planned, last, reader, tracker.row_hashed(live))
+        hashes = fill(planned, last, reader, tracker.hashed_by_reads(live))
         # Flattened again: loading an optimizer's state replaces its tensors. Hashed as saves hash
         # them: their values' bytes (a conjugate or negative view's are not its own).
         tracker.reset({k: s.local.resolve_conj().resolve_neg().contiguous()

@@ -197,10 +197,11 @@ class ChangeTracker:
         found.update(zip(rest, self._hash_all([(tensors[k], self.by_rows(k, tensors[k])) for k in rest])))
         return {k: found[k] for k in tensors}, joined
 
-    def row_hashed(self, tensors: Mapping[str, torch.Tensor]) -> set[str]:
-        """The keys of ``tensors`` whose references are a hash per row (the others': per chunk)
-        that a restore's reads hash as they write them: not the small ones, which :meth:`reset`
-        hashes in one call (a restore of 8,000 tiny tables spent 0.8-1 s hashing each on its own)."""
+    def hashed_by_reads(self, tensors: Mapping[str, torch.Tensor]) -> set[str]:
+        """The keys of ``tensors`` that a restore's reads hash as they write them: those whose
+        references are a hash per row (the others': per chunk), but not the small ones, which
+        :meth:`reset` hashes in one call (a restore of 8,000 tiny tables spent 0.8-1 s hashing
+        each on its own)."""
         self._aligned = self.rows.aligned(tensors, self.rows.resolve(tensors))
         return {k for k, t in tensors.items() if self.by_rows(k, t) and not is_small(t)}
 
