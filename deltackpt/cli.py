@@ -61,7 +61,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for step in store.steps():
         try:  # the records' own fields: a listing reads no tree or tensor (verify checks those)
             m = store.summary(step)
-        except DeltackptError as e:  # a corrupt record, or one that cannot be read: listed, and on
+        except DeltackptError as e:  # a corrupt record, or one that cannot be read: listed, the listing goes on
             rows.append({"step": step, "kind": "corrupt" if isinstance(e, ManifestError) else "unreadable",
                          "error": str(e)})
             continue
