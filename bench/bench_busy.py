@@ -8,6 +8,10 @@ One run, rounds interleaved so that drift on a shared VM hits every case alike, 
   dirty       the same right after another process wrote ``--dirty-gib`` GiB to a file on the same
               file system without syncing it (the file is deleted after the save)
   busy        the same while ``os.cpu_count()`` other processes spin on every core
+  CPU floor   a copy of ``FLOOR_MIB`` MiB on one thread (CPU work and nothing else), quiet and
+              with every core busy, three times after each of those saves: how much slower any
+              CPU work runs beside the spinners, the floor of the busy delta's ratio (only the
+              save's waits for the disk can bring its ratio below it)
   padding     the delta step's bytes on disk (every file of its attempt folder) / its payload
               (changed rows x row bytes, plus their ids as stored, lz4-coded; counted at 8 B an id,
               the coding hid the padding)
@@ -40,6 +44,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import torch
 
 from common import cpu_seconds, direct_bandwidth, figure, json_option, others_cpu, tree_bytes, write_figures
@@ -59,6 +64,7 @@ with open(sys.argv[1], "wb") as f:
 """
 
 SPIN = "while True: pass"
+FLOOR_MIB = 64
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -130,6 +136,16 @@ class DirectCount:
         writer._write_direct = counted
 
 
+def cpu_work(src: np.ndarray, dst: np.ndarray) -> float:
+    """Seconds of the CPU floor's job: the median of three copies of ``src`` into ``dst``."""
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def timed_save(ckpt: Checkpointer, state: dict, step: int) -> float:
     t0 = time.perf_counter()
     info = ckpt.save(step, state)
@@ -168,6 +184,10 @@ def run(args: argparse.Namespace, scratch: str) -> int:
     ckpt = Checkpointer(os.path.join(scratch, "store"), policy=EveryK(10_000))
     count = DirectCount(ckpt.store.storage)
     times: dict[str, list[float]] = {"quiet": [], "dirty": [], "busy": []}
+    floor: dict[str, list[float]] = {"quiet": [], "busy": []}
+    src = np.random.default_rng(0).integers(0, 256, FLOOR_MIB * MiB, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # touched before it is timed
     base_s, cold_s, disk = [], [], []
     saved: dict[int, dict] = {}
     ratio = []
@@ -207,12 +227,14 @@ def run(args: argparse.Namespace, scratch: str) -> int:
                 try:
                     time.sleep(0.5)
                     times[case].append(timed_save(ckpt, state, step))
+                    floor[case].append(cpu_work(src, dst))
                 finally:
                     for p in spinners:
                         p.kill()
                         p.wait()
             else:
                 times[case].append(timed_save(ckpt, state, step))
+                floor[case].append(cpu_work(src, dst))
             m = ckpt.store.manifest(step)
             ratio.append(tree_bytes(os.path.join(scratch, "store", "steps", m.attempt)) / payload(ckpt, step))
             if r == args.repeat - 1:
@@ -239,6 +261,10 @@ def run(args: argparse.Namespace, scratch: str) -> int:
           f"| {runs(times['dirty'])} | {med['dirty'] / med['quiet']:.2f}x quiet | <= 1.5x |")
     print(f"| delta, every core busy in other processes | {med['busy']:.3f} s | {runs(times['busy'])} "
           f"| {med['busy'] / med['quiet']:.2f}x quiet | <= 2x |")
+    fq, fb = statistics.median(floor["quiet"]), statistics.median(floor["busy"])
+    fine = lambda v: ", ".join(f"{x:.4f}" for x in v)  # noqa: E731
+    print(f"| CPU floor: a {FLOOR_MIB} MiB copy on one thread, every core busy | {fb:.4f} s | {fine(floor['busy'])} "
+          f"| {fb / fq:.2f}x quiet ({fq:.4f} s: {fine(floor['quiet'])}) | the busy delta's floor |")
     print(f"| delta bytes on disk / payload | {statistics.median(ratio):.4f} | "
           f"{', '.join(f'{x:.4f}' for x in ratio)} | | <= 1.01 |")
     bw = statistics.median(disk)
@@ -253,6 +279,8 @@ def run(args: argparse.Namespace, scratch: str) -> int:
         figure(f"1% delta, after {args.dirty_gib} GiB of unsynced writes", times["dirty"], peer="quiet",
                peer_runs=times["quiet"]),
         figure("1% delta, every core busy", times["busy"], peer="quiet", peer_runs=times["quiet"]),
+        figure(f"CPU floor: {FLOOR_MIB} MiB copy on one thread, every core busy", floor["busy"], peer="quiet",
+               peer_runs=floor["quiet"]),
         figure("delta bytes on disk / payload", ratio, "x"),
         figure("base save", [state_bytes / x / 1e9 for x in base_s], "GB/s", peer="disk O_DIRECT write",
                peer_runs=disk),
