@@ -15,7 +15,7 @@ DCP, ...) alternately in the same process and reports medians of at least 3 roun
   fraction, restore time against the chain length, base save time against the state size beside
   the disk's write bandwidth.
 
-Sizes: ``--quick`` (40 minutes on a 2-core machine at load 11-20), the full size by default
+Sizes: ``--quick`` (6 minutes on an idle 2-core machine, 40 at load 11-20), the full size by default
 (the benches' own defaults: 30 to 42 minutes on an idle 2-core machine), ``--size tiny`` (seconds
 per bench: for the test that keeps this command working). ``--only`` and ``--skip`` take bench
 names. A bench whose modules do not import (TorchRec, SeaweedFS, DCP's s3fs) is skipped with the
