@@ -255,18 +255,18 @@ def run(args: argparse.Namespace, scratch: str) -> int:
         print(f"other processes' user CPU time during the rounds: {others:.1f} s (the machine is shared)")
     print("| measure | median | runs | ratio | goal |")
     print("| --- | --- | --- | --- | --- |")
-    runs = lambda v: ", ".join(f"{x:.3f}" for x in v)  # noqa: E731
+    runs = lambda v, digits=3: ", ".join(f"{x:.{digits}f}" for x in v)  # noqa: E731
     print(f"| delta, quiet | {med['quiet']:.3f} s | {runs(times['quiet'])} | 1.00 | |")
     print(f"| delta, after {args.dirty_gib} GiB of another process's unsynced writes | {med['dirty']:.3f} s "
           f"| {runs(times['dirty'])} | {med['dirty'] / med['quiet']:.2f}x quiet | <= 1.5x |")
     print(f"| delta, every core busy in other processes | {med['busy']:.3f} s | {runs(times['busy'])} "
           f"| {med['busy'] / med['quiet']:.2f}x quiet | <= 2x |")
     fq, fb = statistics.median(floor["quiet"]), statistics.median(floor["busy"])
-    fine = lambda v: ", ".join(f"{x:.4f}" for x in v)  # noqa: E731
-    print(f"| CPU floor: a {FLOOR_MIB} MiB copy on one thread, every core busy | {fb:.4f} s | {fine(floor['busy'])} "
-          f"| {fb / fq:.2f}x quiet ({fq:.4f} s: {fine(floor['quiet'])}) | the busy delta's floor |")
+    print(f"| CPU floor: a {FLOOR_MIB} MiB copy on one thread, every core busy | {fb:.4f} s "
+          f"| {runs(floor['busy'], 4)} | {fb / fq:.2f}x quiet ({fq:.4f} s: {runs(floor['quiet'], 4)}) "
+          "| the busy delta's floor |")
     print(f"| delta bytes on disk / payload | {statistics.median(ratio):.4f} | "
-          f"{', '.join(f'{x:.4f}' for x in ratio)} | | <= 1.01 |")
+          f"{runs(ratio, 4)} | | <= 1.01 |")
     bw = statistics.median(disk)
     for what, secs, wrote in (("first base, untouched staging", cold_s, cold_direct),
                               ("base, touched staging", base_s, direct)):
