@@ -266,8 +266,8 @@ class Checkpointer:
         place; modules get their parameters and buffers filled in place; other objects with
         ``load_state_dict`` (optimizers) are loaded from the saved state; plain values are
         replaced in their dicts and lists. Afterwards the next save can be a delta against ``step``
-        (the restore hashes what it wrote, for it); after a failed restore it is a base. On
-        several ranks, a rank may hold only some tensors; together they hold every saved tensor.
+        (the restore takes the hashes of what it wrote, for it); after a failed restore it is a
+        base. On several ranks, a rank may hold only some tensors; together they hold all.
 
         Returns:
             The step restored.

@@ -7,6 +7,7 @@ ROOT/bases/00000000000000000042.json     a base of step 42 made by compaction (o
 ROOT/steps/zarr.json                  zarr v3 group
 ROOT/steps/ATTEMPT/...                arrays of one save attempt, ATTEMPT = "<step>-<random hex>"
 ROOT/steps/ATTEMPT/parts.<rank>       the part table of the parts rank <rank> wrote (see part_tables)
+ROOT/steps/ATTEMPT/hashes.<rank>      a base's row hashes of the large parts rank <rank> wrote (see hash_files)
 ROOT/writer.lease                     who may commit steps (see deltackpt.ops.lease)
 ```
 """
@@ -76,9 +77,14 @@ def table_name(rank: int) -> str:
     return f"parts.{rank}"
 
 
-RANK_FILE = re.compile(r"(pack|parts)\.[0-9]+", re.ASCII)
-"""The names of :func:`pack_name` and :func:`table_name`: a rank's own files in an attempt folder,
-beside the tensors' folders (so no tensor key may start with one)."""
+def hashes_name(rank: int) -> str:
+    """The row hashes of the base parts rank ``rank`` wrote (see :mod:`.hash_files`)."""
+    return f"hashes.{rank}"
+
+
+RANK_FILE = re.compile(r"(pack|parts|hashes)\.[0-9]+", re.ASCII)
+"""The names of :func:`pack_name`, :func:`table_name` and :func:`hashes_name`: a rank's own files
+in an attempt folder, beside the tensors' folders (so no tensor key may start with one)."""
 
 
 def chunk_path(m: Manifest, key: str, part: PartRecord, name: str) -> str:

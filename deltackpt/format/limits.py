@@ -37,11 +37,11 @@ def key_problem(key: str) -> str | None:
         >>> key_problem("model/emb.weight") is None, key_problem("a/../b")
         (True, "component '..' is reserved")
         >>> key_problem("pack.0/x"), key_problem("model/pack.0") is None
-        ("first component 'pack.0' is reserved (a rank's pack or part table)", True)
+        ("first component 'pack.0' is reserved (a rank's pack, part table or row hashes)", True)
     """
     first = key.split("/", 1)[0]
     if RANK_FILE.fullmatch(first):
-        return f"first component {first!r} is reserved (a rank's pack or part table)"
+        return f"first component {first!r} is reserved (a rank's pack, part table or row hashes)"
     for part in key.split("/"):
         if part in RESERVED:
             return f"component {part!r} is reserved"

@@ -184,6 +184,8 @@ class Manifest:
         quantize: for a checkpointer with ``quantize=`` (format 5), ``{"restores": N,
             "tensors": {key: {"pattern", "scheme", "reason"}}}``: the restores the run had made
             before this save and each quantized tensor's rule and why; None otherwise.
+        hashes: the row hash files of a base (see :mod:`deltackpt.format.hash_files`), by the
+            rank that wrote each, as ``(size_in_bytes, xxh3_64_hex)``.
     """
 
     step: int
@@ -204,6 +206,7 @@ class Manifest:
     compacts: str | None = None
     quantize: dict[str, Any] | None = None
     format: int = FORMAT
+    hashes: Mapping[int, tuple[int, str]] = field(default_factory=dict)
 
     @property
     def lossy(self) -> bool:
@@ -226,6 +229,8 @@ class Manifest:
             doc["quantize"] = self.quantize
         doc["tensors"] = {k: t.root_doc() for k, t in self.tensors.items()}
         doc["packs"] = {k: {n: list(e) for n, e in files.items()} for k, files in self.packs.items()}
+        if self.hashes:
+            doc["hashes"] = [[rank, size, digest] for rank, (size, digest) in sorted(self.hashes.items())]
         return doc
 
     def to_doc(self) -> dict[str, Any]:

@@ -73,7 +73,7 @@ class Unchanged:
         dims = [p[2] + p[3] + p[4] for p in parts]
         self.parts = {name: np.array([], dtype=d) for name, d, counted in COLUMNS if counted == "chunks"} | {
             "tensor": np.array([p[0] for p in parts], dtype="<u4"),
-            "path": np.array([_path_column(p[1]) for p in parts], dtype="<i8"),
+            "path": np.array([path_column(p[1]) for p in parts], dtype="<i8"),
             "changed": nothing, "nchunks": nothing, "packed": nothing.astype("u1"),
             "cdims": np.array([len(p[4]) for p in parts], dtype="u1"),
             "dims": np.fromiter(itertools.chain.from_iterable(dims), dtype="<i8"),
@@ -118,7 +118,7 @@ def _columns(entries: Sequence[Entry]) -> dict[str, list[int]]:
     located: dict[tuple[str, int], tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]] = {}
     for index, rec, part in entries:
         cols["tensor"].append(index)
-        cols["path"].append(_path_column(part.path))
+        cols["path"].append(path_column(part.path))
         cols["changed"].append(part.changed)
         cols["packed"].append(part.pack is not None)
         cols["nchunks"].append(len(part.chunks))
@@ -143,7 +143,7 @@ def _columns(entries: Sequence[Entry]) -> dict[str, list[int]]:
     return cols
 
 
-def _path_column(path: str) -> int:
+def path_column(path: str) -> int:
     """A part's path in the table: ``p<i>`` as i, the one part ``""`` as -1."""
     return int(path[1:]) if path else -1
 

@@ -166,7 +166,7 @@ def _parse(doc: Any, where: str, read: TableReader) -> Manifest:
         if head is None:
             head = parsed[same] = _parse_tensor(rec, s.format, f"{where}: tensor {key!r}")
         heads[key] = head
-    tensors = lazy_tensors(Heads(heads), s.attempt, _tables(doc, where),
+    tensors = lazy_tensors(Heads(heads), s.attempt, _tables(doc, "tables", where),
                            {int(name[5:]): pack_room(files) for name, files in packs.items()}, read, where)
     m = Manifest(
         step=s.step,
@@ -187,7 +187,10 @@ def _parse(doc: Any, where: str, read: TableReader) -> Manifest:
         compacts=s.compacts,
         quantize=_field(doc, "quantize", (dict, type(None)), where) if s.format == LOSSY_FORMAT else None,
         format=s.format,
+        hashes=_tables(doc, "hashes", where) if "hashes" in doc else {},
     )
+    if m.hashes and (s.kind != "base" or max(m.hashes) >= s.world_size):
+        raise ManifestError(f"{where}: field 'hashes' lists row hashes of no rank of a base")
     if s.format == LOSSY_FORMAT:
         if s.lossy != m.lossy:
             raise ManifestError(f"{where}: field 'lossy' disagrees with the tensors' records")
@@ -330,15 +333,15 @@ def _is_count(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62
 
 
-def _tables(doc: dict[str, Any], where: str) -> dict[int, tuple[int, str]]:
-    """The root's ``tables``: ``[rank, size, xxh3_64_hex]`` each, ranks ascending."""
+def _tables(doc: dict[str, Any], name: str, where: str) -> dict[int, tuple[int, str]]:
+    """The root's ``tables`` (or ``hashes``): ``[rank, size, xxh3_64_hex]`` each, ranks ascending."""
     out: dict[int, tuple[int, str]] = {}
     last = -1
-    for entry in _field(doc, "tables", list, where):
+    for entry in _field(doc, name, list, where):
         if (not isinstance(entry, list) or len(entry) != 3 or not _is_count(entry[0])
                 or not _is_count(entry[1]) or not isinstance(entry[2], str) or len(entry[2]) != 16
                 or entry[0] <= last):
-            raise ManifestError(f"{where}: field 'tables' has a bad entry {entry!r:.80}")
+            raise ManifestError(f"{where}: field {name!r} has a bad entry {entry!r:.80}")
         out[entry[0]] = (entry[1], entry[2])
         last = entry[0]
     return out

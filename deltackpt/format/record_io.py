@@ -19,7 +19,7 @@ import xxhash
 
 from ..collector import paused
 from ..errors import ManifestError
-from .layout import STEPS, table_name
+from .layout import STEPS, hashes_name, table_name
 from .manifest import LOSSY_FORMAT, Manifest, PartRecord, TensorRecord
 from .part_layout import PartLayout, describe
 from .part_tables import encode_table
@@ -28,6 +28,11 @@ from .part_tables import encode_table
 def table_key(attempt: str, rank: int) -> str:
     """Where the part table of ``rank`` lies in a step's attempt folder."""
     return f"{STEPS}/{attempt}/{table_name(rank)}"
+
+
+def hashes_key(attempt: str, rank: int) -> str:
+    """Where the row hashes of ``rank``'s base parts lie in a step's attempt folder."""
+    return f"{STEPS}/{attempt}/{hashes_name(rank)}"
 
 
 def checksum(data: bytes) -> str:

@@ -23,14 +23,17 @@ import torch
 from ..errors import IntegrityError
 from ..format import dtypes
 from ..format.encodings import Job
+from ..format.hash_files import decode_hashes
 from ..format.layout import chunk_key, chunk_path
 from ..format.lazy_records import LazyTensors
 from ..format.manifest import Manifest, PartRecord, TensorRecord
+from ..format.part_tables import path_column
+from ..format.record_io import hashes_key
 from ..format.zarr_meta import decode
 from ..sharding import Box
 from ..storage import Storage
 from .cover import Covers
-from .fetch import fetch, stored_size
+from .fetch import fetch, fetch_file, file_size, stored_size
 from .row_hashes import RowHashes
 from .staging import StagingPool
 from .threads import run_shared
@@ -75,6 +78,9 @@ class ChainReader:
         self._executor = executor
         self._idle = [_idle(m, keys, chain[-1]) for m in chain[:-1]]
         self._ids: dict[tuple[int, str, str], torch.Tensor] = {}  # a delta part's row ids
+        # A base's row hash files, by attempt and rank: the tensors' indexes and each part's hashes.
+        self._hashes: dict[tuple[str, int], tuple[dict[str, int], dict[tuple[int, int], np.ndarray]]] = {}
+        self._lock = threading.Lock()
         self._sized: set[str] = set()  # pack files whose size was checked
         # Per thread (an export reads ahead on a second one): whether the tensor it reads is
         # small, so that its jobs run on that thread.
@@ -194,6 +200,35 @@ class ChainReader:
             use(torch.from_numpy(raw))
         finally:
             self._pool.release(buf)
+
+    def stored_hashes(self, m: Manifest, key: str, part: PartRecord) -> torch.Tensor | None:
+        """The hash of every row of a base's part as its writer stored them (see
+        :mod:`deltackpt.format.hash_files`), or None where it stored none; each rank's file is
+        read and checked once per reader.
+
+        Raises:
+            MissingChunkError, IntegrityError: the file is gone, its size or checksum is not the
+                record's, or it lists another number of rows for the part.
+            ManifestError: the file is no row hash file of the record.
+        """
+        if part.rank not in m.hashes:
+            return None
+        with self._lock:
+            got = self._hashes.get((m.attempt, part.rank))
+            if got is None:
+                path, entry = hashes_key(m.attempt, part.rank), m.hashes[part.rank]
+                buf = torch.empty(file_size(self._storage, m.step, path, entry), dtype=torch.uint8)
+                fetch_file(self._storage, m.step, path, entry, buf)
+                got = self._hashes[m.attempt, part.rank] = (
+                    {k: i for i, k in enumerate(m.tensors)}, decode_hashes(buf.numpy(), path, len(m.tensors)))
+        index, by_part = got
+        rows = by_part.get((index[key], path_column(part.path)))
+        if rows is None:
+            return None
+        if rows.size != part.shape[0]:
+            raise IntegrityError(m.step, hashes_key(m.attempt, part.rank),
+                                 f"{rows.size} row hashes for part {part.path!r} of {key!r} of {part.shape[0]} rows")
+        return torch.from_numpy(rows)
 
     def ids(self, m: Manifest, key: str, part: PartRecord) -> torch.Tensor:
         """All row ids of a delta part (small: 8 bytes a row), checked: sorted, unique, inside

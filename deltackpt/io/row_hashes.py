@@ -6,8 +6,14 @@ thread, while their bytes are still in hand; a job that writes only some columns
 column-sharded part, a delta cell) marks them unknown, and :meth:`RowHashes.complete` hashes
 those once every job has ended. The jobs of one replay phase write disjoint rows and columns
 (:mod:`deltackpt.io.cover`), and the base's phase ends before the deltas' begins, so the last
-hash a row gets is that of its final value. The hashes are of the bytes written, which were
-checked against the record's checksums before use: nothing stored is trusted as a hash.
+hash a row gets is that of its final value.
+
+The hashes are of the bytes written, which were checked against the record's checksums before
+use, except where a base stored its rows' hashes beside them (:mod:`deltackpt.format.hash_files`):
+the rows a job writes whole from such a part take those, hashing nothing. Those are checked only
+against their file's checksum; a wrong one makes the next delta write its row again (its hash
+differs from the row's), or, for a table tracked by marks, the canary or the next audit find the
+row "changed" and write it.
 """
 
 from __future__ import annotations
@@ -58,6 +64,12 @@ class RowHashes:
         at = rows if isinstance(rows, slice) else rows.numpy()
         self.values.numpy()[at] = kernels.hash_rows(data, threads=1).numpy()
         self.known.numpy()[at] = True
+
+    def given(self, rows: slice, hashes: torch.Tensor) -> None:
+        """Takes ``hashes`` as those of the whole rows just written at ``rows``: their base stored
+        them beside them (see :mod:`deltackpt.format.hash_files`)."""
+        self.values.numpy()[rows] = hashes.numpy()
+        self.known.numpy()[rows] = True
 
     def lost(self, rows: slice | torch.Tensor) -> None:
         """Marks rows ``rows`` written only in part: their hash waits for :meth:`complete`."""

@@ -25,6 +25,7 @@ from ..errors import (
 )
 from ..format.grid import chunk_bytes
 from ..format.layout import STEPS, as_step, chunk_path
+from ..format.record_io import hashes_key
 from ..format.manifest import Manifest, PartRecord, TensorRecord
 from ..format.zarr_meta import decode
 from ..io.fetch import fetch, fetch_file_in_pieces, file_size, stored_size
@@ -182,6 +183,10 @@ def _check_step(store: Store, m: Manifest, pool: StagingPool, executor: Executor
             path = f"{STEPS}/{m.attempt}/{pack}/{name}"
             jobs.append((entry[0], path, partial(file_size, storage, m.step, path, entry),
                          partial(fetch_file_in_pieces, storage, m.step, path, entry), True))
+    for rank, entry in m.hashes.items():
+        path = hashes_key(m.attempt, rank)
+        jobs.append((entry[0], path, partial(file_size, storage, m.step, path, entry),
+                     partial(fetch_file_in_pieces, storage, m.step, path, entry), True))
     for key, rec in m.tensors.items():
         for part in rec.parts:
             for name, chunk in part.chunks.items():
@@ -195,7 +200,32 @@ def _check_step(store: Store, m: Manifest, pool: StagingPool, executor: Executor
         futures.append(executor.submit(check, path, sizer, read, pieces))
     found = [p for f in futures if (p := f.result()) is not None]
     found += _check_ids(storage, m, pool, executor, {p.key for p in found})
+    found += _check_hashes(storage, m, pool, executor, {p.key for p in found})
     return sorted(found, key=lambda p: p.key)
+
+
+def _check_hashes(storage: Storage, m: Manifest, pool: StagingPool, executor: Executor,
+                  damaged: set[str]) -> list[Problem]:
+    """Each row hash file that passed, read as restore reads it: a file of the record's
+    tensors, listing each part's rows (its values are not compared with the rows')."""
+    reader = ChainReader(storage, [m], pool, executor)
+    found = []
+    for key, rec in m.tensors.items():
+        for part in rec.parts:
+            if part.rank not in m.hashes or hashes_key(m.attempt, part.rank) in damaged:
+                continue
+            try:
+                reader.stored_hashes(m, key, part)
+            except IntegrityError as e:
+                found.append(Problem(m.step, "corrupt", e.key, str(e)))
+                damaged.add(e.key)
+            except ManifestError as e:
+                found.append(Problem(m.step, "record", hashes_key(m.attempt, part.rank), str(e)))
+                damaged.add(hashes_key(m.attempt, part.rank))
+            except DeltackptError as e:
+                found.append(Problem(m.step, "unreadable", hashes_key(m.attempt, part.rank), str(e)))
+                damaged.add(hashes_key(m.attempt, part.rank))
+    return found
 
 
 def _check_ids(storage: Storage, m: Manifest, pool: StagingPool, executor: Executor,

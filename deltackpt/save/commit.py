@@ -201,9 +201,12 @@ def _root(save: SavePlan, plan: GlobalPlan, written: Sequence[Written], *, head:
     packs: dict[str, ChunkMap] = {}
     bounds: dict[str, float] = {}
     tables: dict[int, tuple[int, str]] = {}
+    hashes: dict[int, tuple[int, str]] = {}
     for rank, w in enumerate(written):
         if w.table is not None:
             tables[rank] = w.table
+        if w.hashes is not None:
+            hashes[rank] = w.hashes
         packs.update(w.packs)
         for key, bound in w.bounds.items():
             bounds[key] = max(bounds.get(key, 0.0), bound)
@@ -250,6 +253,7 @@ def _root(save: SavePlan, plan: GlobalPlan, written: Sequence[Written], *, head:
         state_bytes=pieces.state_bytes,
         quantize=quantize,
         format=LOSSY_FORMAT if lossy or restores is not None else FORMAT,
+        hashes=hashes,
     )
     return _Root(m, tables, plan.writers, encoded, heads)
 

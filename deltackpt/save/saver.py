@@ -22,7 +22,7 @@ from ..collectives import Collective
 from ..collector import paused
 from ..errors import BrokenChainError, StateError, StepExistsError
 from ..format.layout import STEPS
-from ..format.record_io import table_key
+from ..format.record_io import checksum, hashes_key, table_key
 from ..format.manifest import Manifest
 from ..io.staging import StagingPool
 from ..io.threads import run_ahead
@@ -37,7 +37,7 @@ from .decide import aligned_keys, counts, decide
 from .local import plan_local, write_items
 from .planner import Assignment, GlobalPlanner, PartPlan, PlanRequest
 from .scan import Scanned, ScanSummary, scan, settled
-from .stage import open_writer, stage, write
+from .stage import open_writer, row_hash_file, stage, write
 from .types import Committed, Kind, LocalState, SaveInfo, SavePlan, WriteItem, WriteResult, Written
 
 log = logging.getLogger(__name__)
@@ -168,8 +168,9 @@ class Saver:
         assert self._assignment is not None  # _write_items set it
         table = partial(part_table, save, self._coll.rank, items, self._index, self._shapes, held,
                         sizes=self._sizes, aligned={s.key for s in mine if s.aligned}, reuse=self._reuse)
+        hashed = partial(row_hash_file, save.kind, items, self._index)
         record = partial(self._commit, save, aligned)
-        return partial(self._write_and_commit, save, table, record, writers, tensors, staging, gate, t0)
+        return partial(self._write_and_commit, save, table, hashed, record, writers, tensors, staging, gate, t0)
 
     def _publish(self, attempt: str) -> Future[None]:
         """Coordinator: starts writing the head and ``attempt`` into the lease on an I/O thread
@@ -194,30 +195,38 @@ class Saver:
                                      or held.lease.attempt == self._head.attempt)
 
     def _write_and_commit(self, save: SavePlan, table: Callable[[WriteResult], tuple[bytes | None, Written]],
+                          hashed: Callable[[Mapping[str, TensorChange]], bytes | None],
                           record: Callable[[list[Written]], Committed], writers: list[StepWriter],
                           tensors: dict[str, torch.Tensor], staging: Callable[[], dict[str, TensorChange]],
                           gate: Future[None] | None, t0: float, blocked: float | None) -> SaveInfo:
         """The phases after ``stage``, on the caller's thread or in the background: every rank
         stages (``staging``, unless it has staged already: it returns what was staged), writes
         its part table once its chunks are written (``table`` makes it of what was written, once
-        the lease names the attempt: ``gate``, see :meth:`stage`), makes both durable and sends
-        the coordinator alone what the root needs of it; the coordinator commits and tells every
-        rank what.
+        the lease names the attempt: ``gate``, see :meth:`stage`) and a base's row hashes
+        (``hashed`` makes them of the change sets staged, hashes filled in once the writes
+        ended), makes them durable and sends the coordinator alone what the root needs of it;
+        the coordinator commits and tells every rank what.
 
         Raises:
             WriterConflictError: (``gate``'s) another writer holds the lease; nothing was written."""
         storage = self.store.storage
-        key = table_key(save.attempt, self._coll.rank)
+        rank = self._coll.rank
 
-        def files(result: WriteResult) -> tuple[dict[str, bytes], Written]:
+        def files(staged: dict[str, TensorChange], result: WriteResult) -> tuple[dict[str, bytes], Written]:
             if gate is not None:
                 gate.result()
             data, sent = table(result)
-            return ({} if data is None else {key: data}), sent
+            out = {} if data is None else {table_key(save.attempt, rank): data}
+            rows = hashed(staged)
+            if rows is not None:
+                out[hashes_key(save.attempt, rank)] = rows
+                sent = replace(sent, hashes=(len(rows), checksum(rows)),
+                               bytes_written=sent.bytes_written + len(rows))
+            return out, sent
 
         def write_here() -> tuple[Written, dict[str, TensorChange]]:
             staged = staging()
-            return write(storage, writers, files, helping=blocked is None), staged
+            return write(storage, writers, partial(files, staged), helping=blocked is None), staged
 
         done, staged = self._coll.gather("write", write_here, record, then_phase="commit")
         self._advance(save.kind, done, tensors, staged)

@@ -24,8 +24,10 @@ import torch
 
 from ..format import dtypes
 from ..format.encodings import FULL, Array, choose, in_pack
+from ..format.hash_files import HASHED_ROW_BYTES, encode_hashes
 from ..format.layout import STEPS, pack_name, part_folder
 from ..format.manifest import ChunkMap
+from ..format.part_tables import path_column
 from ..io.staging import StagingPool
 from ..io.writer import StepWriter
 from ..quantization import Rowwise
@@ -112,6 +114,25 @@ def stage_part(writer: StepWriter, kind: Kind, item: WriteItem, change: TensorCh
     enc.encode(writer, item.key, part.path, t, change.changed, cs,
                row_offset=part.box.offset[0] if part.box.offset else 0, hash_into=hashes, rule=rule)
     return change if hashes is None else change._replace(hashes=hashes)
+
+
+def row_hash_file(kind: Kind, items: Sequence[WriteItem], index: Sequence[int],
+                  staged: Mapping[str, TensorChange]) -> bytes | None:
+    """A base's row hash file of ``items`` (their tensors' places in the root ``index``): the
+    hash of every row of each part of two or more dimensions, not small, whose rows hold at least
+    ``HASHED_ROW_BYTES``, as the change sets ``staged`` hold them once the writes ended (the
+    references of the next delta; see :mod:`deltackpt.format.hash_files`). None for a delta or
+    a rank that wrote no such part."""
+    if kind != Kind.BASE:
+        return None
+    entries = []
+    for it, i in zip(items, index):
+        t, hashes = it.tensor, staged[it.key].hashes
+        if (hashes is not None and t.dim() >= 2 and t.nbytes > SMALL_TENSOR_BYTES
+                and t.nbytes // t.shape[0] >= HASHED_ROW_BYTES and hashes.shape == (t.shape[0],)
+                and tuple(t.shape) == it.part.box.shape):
+            entries.append((i, path_column(it.part.path), hashes.cpu()))
+    return encode_hashes(entries) if entries else None
 
 
 def open_writer(storage: Storage, save: SavePlan, rank: int, pool: StagingPool,

@@ -104,6 +104,8 @@ class Written:
         bytes_written: bytes of its files (a packed chunk's are its pack's).
         rows_changed: rows it wrote of row-sparse tensors.
         bounds: the largest error bound of the quantized rows it wrote, per tensor.
+        hashes: its row hash file's size and xxh3-64 hex digest (None: it writes none, see
+            :func:`~deltackpt.save.stage.row_hash_file`).
     """
 
     table: tuple[int, str] | None
@@ -111,6 +113,7 @@ class Written:
     bytes_written: int
     rows_changed: int
     bounds: Mapping[str, float] = field(default_factory=dict)
+    hashes: tuple[int, str] | None = None
 
 
 @dataclass(frozen=True)

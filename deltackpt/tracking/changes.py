@@ -29,7 +29,8 @@ A table's marks become its change set only once they cover everything since the 
 first save after tracking starts (or after it was resized) hashes it and starts recording, and a
 restore restarts the marks from the restored state. Marks are dropped only when the save that
 used them commits; those of a failed save go into the next one. After a restore, the references
-are the row hashes the restore's reads took from the rows they wrote (:mod:`deltackpt.io.row_hashes`).
+are the row hashes the restore's reads took from the rows they wrote, or that the base stored
+beside them (:mod:`deltackpt.io.row_hashes`).
 """
 
 from __future__ import annotations

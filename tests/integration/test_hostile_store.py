@@ -69,9 +69,9 @@ def test_save_refuses_keys_that_are_no_file_name(tmp_path, bad, nested):
     assert not list(root.glob("commits/*.json"))
 
 
-@pytest.mark.parametrize("bad", ["pack.0", "parts.0", "parts.17"])
+@pytest.mark.parametrize("bad", ["pack.0", "parts.0", "parts.17", "hashes.0"])
 def test_save_refuses_top_level_keys_that_name_a_ranks_own_files(tmp_path, bad):
-    """A save attempt's folder holds each rank's pack and part table beside the tensors'
+    """A save attempt's folder holds each rank's pack, part table and row hashes beside the tensors'
     folders: a large top-level tensor of that name would collide with them. Nested, the name is
     an ordinary one."""
     root = tmp_path / "store"

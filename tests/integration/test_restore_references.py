@@ -1,26 +1,34 @@
 """After a restore, the next delta finds exactly the rows that changed since: the restore's reads
 hash the rows they write (no second pass over the restored tensors but over the small ones,
-hashed together in one call), for bases, chains, chains after compaction, N -> M restores and
-partial (column-wise, table-wise) restores; a store whose bytes do not match its record is
-refused, never hashed."""
+hashed together in one call), or take the hashes a base stored beside its large tables' rows,
+for bases, chains, chains after compaction, N -> M restores and partial (column-wise,
+table-wise) restores; a store whose bytes do not match its record is refused, never hashed, and
+stored hashes that are wrong make the next delta write those rows again."""
 
 from __future__ import annotations
 
+import json
 import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import xxhash
+
 import deltackpt
-from deltackpt import Checkpointer, IntegrityError, MemoryStorage, Shard
+from deltackpt import Checkpointer, IntegrityError, MemoryStorage, Shard, kernels
+from deltackpt.format.hash_files import HASHED_ROW_BYTES, decode_hashes, encode_hashes
 from deltackpt.io.reader import ChainReader
+from deltackpt.io.row_hashes import RowHashes
 from deltackpt.io.staging import StagingPool
 from deltackpt.tracking.changes import ChangeTracker
 from deltackpt.tracking.references import SMALL_TENSOR_BYTES
 from dist_harness import check_ok, run_ranks
 from helpers import same_bits
+from hostile import read_record, write_record
 
 ROWS = 300
 
@@ -150,9 +158,146 @@ def test_a_chunk_that_does_not_match_its_record_is_refused(tmp_path):
             ckpt.restore({k: torch.zeros_like(v) for k, v in saved[2].items()}, 2)
 
 
+# -- hashes stored by a base -----------------------------------------------------------------------
+
+WIDE = (1200, HASHED_ROW_BYTES // 4)  # float32 rows of HASHED_ROW_BYTES, above SMALL_TENSOR_BYTES
+
+
+def wide_state(g: torch.Generator) -> dict:
+    return {"wide": torch.randn(WIDE, generator=g), **make_state(g)}
+
+
+def stored(ckpt: Checkpointer, step: int, key: str) -> torch.Tensor | None:
+    m = ckpt.store.manifest(step)
+    with ThreadPoolExecutor(1) as executor:
+        reader = ChainReader(ckpt.store.storage, [m], StagingPool(4, 1 << 16, pin=False), executor)
+        return reader.stored_hashes(m, key, m.tensors[key].parts[0])
+
+
+def hashes_file(root: Path, step: int) -> Path:
+    doc = json.loads((root / "commits" / f"{step:020d}.json").read_bytes())
+    return root / "steps" / doc["attempt"] / "hashes.0"
+
+
+def test_a_base_stores_the_hash_of_every_row_of_its_wide_tables(tmp_path):
+    g = torch.Generator().manual_seed(5)
+    state = wide_state(g)
+    with Checkpointer(str(tmp_path), policy=NeverBase()) as ckpt:
+        first = ckpt.save(0, state)
+        state["wide"][[4, 900]] += 1.0
+        ckpt.save(1, state)
+        assert torch.equal(stored(ckpt, 0, "wide"), kernels.hash_rows(ckpt.load(0)["wide"]))
+        assert {k: stored(ckpt, 0, k) is None for k in state} == {k: k != "wide" for k in state}
+        assert not ckpt.store.manifest(1).hashes  # a delta stores none
+    size = hashes_file(tmp_path, 0).stat().st_size
+    assert size == 16 + 24 + 8 * WIDE[0]
+    assert first.bytes_written >= size + state["wide"].nbytes
+
+
+def test_a_restore_takes_a_base_s_stored_hashes_and_hashes_only_the_deltas_rows(tmp_path, monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    state = wide_state(g)
+    with Checkpointer(str(tmp_path), policy=NeverBase(), chunk_bytes=16384) as ckpt:
+        ckpt.save(0, state)
+        state["wide"][[4, 900, 901]] += 1.0
+        ckpt.save(1, state)
+    hashed: list[int] = []
+    real = RowHashes.took
+
+    def counting(self, rows, data):
+        hashed.append(data.shape[0])
+        return real(self, rows, data)
+
+    monkeypatch.setattr(RowHashes, "took", counting)
+    with Checkpointer(str(tmp_path), policy=NeverBase(), chunk_bytes=16384) as ckpt:
+        got = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert ckpt.restore(got, 1) == 1
+        assert same_bits(got["wide"], state["wide"])
+        assert sum(hashed) == 3  # the delta's rows; the base's 1,200 came stored
+        got["wide"][[7, 1199]] -= 1.0
+        assert ckpt.save(2, got).kind == "delta"
+        assert changed_rows(ckpt, 2) == {"wide": [7, 1199]}
+
+
+def forge_hashes(root: Path, step: int, rows: list[int]) -> None:
+    """Rewrites the stored hashes of ``rows`` of "wide" (wrong, but with a checksum and a record
+    to match them, as an attacker could)."""
+    path = hashes_file(root, step)
+    (key, values), = decode_hashes(path.read_bytes(), "f", 100).items()
+    values = torch.from_numpy(values.copy())
+    values[rows] += 1
+    data = encode_hashes([(*key, values)])
+    path.write_bytes(data)
+    doc = read_record(root, step)
+    doc["hashes"] = [[0, len(data), xxhash.xxh3_64_hexdigest(data)]]
+    write_record(root, step, doc)
+
+
+@pytest.mark.parametrize("tracked", [False, True])
+def test_wrong_stored_hashes_make_the_next_delta_write_those_rows(tmp_path, tracked):
+    """Hashing finds the rows at once; marks find them by the canary (here drawing every row)."""
+    torch.manual_seed(5)
+    emb = torch.nn.Embedding(*WIDE)
+    with Checkpointer(str(tmp_path), policy=NeverBase()) as ckpt:
+        ckpt.save(0, {"model": emb})
+    forge_hashes(tmp_path, 0, [10, 20])
+    got = torch.nn.Embedding(*WIDE)
+    with Checkpointer(str(tmp_path), policy=NeverBase()) as ckpt:
+        assert ckpt.restore({"model": got}, 0) == 0
+        assert same_bits(got.weight, emb.weight)
+        if tracked:
+            ckpt.track(got, canary=deltackpt.Canary(min_rows=WIDE[0]))
+        got(torch.tensor([3]))
+        with torch.no_grad():
+            got.weight[3] += 1.0
+        ckpt.save(1, {"model": got})
+        assert changed_rows(ckpt, 1) == {"model/weight": [3, 10, 20]}
+    again = torch.nn.Embedding(*WIDE)
+    with Checkpointer(str(tmp_path), policy=NeverBase()) as ckpt:
+        ckpt.restore({"model": again}, 1)
+        assert same_bits(again.weight, got.weight)
+
+
+def test_a_damaged_row_hash_file_is_refused_by_restore_and_verify(tmp_path):
+    g = torch.Generator().manual_seed(5)
+    state = wide_state(g)
+    with Checkpointer(str(tmp_path), policy=NeverBase()) as ckpt:
+        ckpt.save(0, state)
+    path = hashes_file(tmp_path, 0)
+    data = bytearray(path.read_bytes())
+    data[100] ^= 1
+    path.write_bytes(bytes(data))
+    with Checkpointer(str(tmp_path), policy=NeverBase()) as ckpt:
+        with pytest.raises(IntegrityError, match="hashes.0"):
+            ckpt.restore({k: torch.zeros_like(v) for k, v in state.items()}, 0)
+        report = ckpt.verify(0)
+        assert [(p.kind, p.key.rsplit("/", 1)[-1]) for p in report.problems] == [("corrupt", "hashes.0")]
+        assert same_bits(ckpt.load(0)["wide"], state["wide"])  # a load needs no hashes
+
+
+def test_a_base_without_stored_hashes_restores_by_hashing_its_rows(tmp_path):
+    """As a base written before row hashes existed (or made by compaction) is read."""
+    g = torch.Generator().manual_seed(5)
+    state = wide_state(g)
+    with Checkpointer(str(tmp_path), policy=NeverBase()) as ckpt:
+        ckpt.save(0, state)
+    doc = read_record(tmp_path, 0)
+    del doc["hashes"]
+    write_record(tmp_path, 0, doc)
+    hashes_file(tmp_path, 0).unlink()
+    with Checkpointer(str(tmp_path), policy=NeverBase()) as ckpt:
+        got = {k: torch.zeros_like(v) for k, v in state.items()}
+        ckpt.restore(got, 0)
+        got["wide"][[0, 5]] += 1.0
+        ckpt.save(1, got)
+        assert changed_rows(ckpt, 1) == {"wide": [0, 5]}
+
+
 # -- on several ranks ---------------------------------------------------------------------------
 
-TABLES = {"t0": (101, 8), "t1": (64, 5)}
+# t2's rows are wide enough for a base to store their hashes: split by rows, a restore's boxes
+# meet its parts at other offsets; split by columns, its parts store none.
+TABLES = {"t0": (101, 8), "t1": (64, 5), "t2": (1200, HASHED_ROW_BYTES // 4)}
 
 
 def global_state(step: int) -> dict[str, torch.Tensor]:

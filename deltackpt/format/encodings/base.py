@@ -149,6 +149,9 @@ class ChunkSource(Protocol):
     def ids(self, m: Manifest, key: str, part: PartRecord) -> torch.Tensor:
         """The global row ids a row-sparse part holds, checked: sorted, unique, in the part."""
 
+    def stored_hashes(self, m: Manifest, key: str, part: PartRecord) -> torch.Tensor | None:
+        """The hash of every row of a base's part, as stored beside it (None: none stored)."""
+
     def run(self, jobs: list[Job]) -> None:
         """Runs ``jobs`` on the I/O threads; raises the first error once every job ended."""
 
@@ -233,8 +236,9 @@ class Encoding(abc.ABC):
         """Jobs that write the values ``part`` holds inside ``inter`` into ``dest``, the box
         ``box`` of the tensor: all of them for a base (``covers`` None), else those that no newer
         delta wrote, claimed from ``covers`` (a delta's jobs then run beside every other
-        delta's). With ``hashes``, each job hashes the whole rows of ``dest`` it wrote into it,
-        and marks those it wrote in part as unknown.
+        delta's). With ``hashes``, each job hashes the whole rows of ``dest`` it wrote into it
+        (or takes their hashes stored beside them, see :meth:`ChunkSource.stored_hashes`), and
+        marks those it wrote in part as unknown.
 
         Raises:
             IntegrityError: the part cannot be read this way (a row delta of a 0-d tensor).

@@ -126,6 +126,13 @@ class Full(Encoding):
         jobs = self._reads(source, m, key, part, inter, dest, box)
         if hashes is None:
             return [job for job, _, _ in jobs]
+        # A part of the box's columns may have its rows' hashes stored: those of whole rows.
+        same_cols = part.offset[1:] == box.offset[1:] and part.shape[1:] == box.shape[1:]
+        stored = source.stored_hashes(m, key, part) if same_cols else None
+        if stored is not None:
+            at = box.offset[0] - part.offset[0]  # row d of dest is row d + at of the part
+            return [partial(_given, job, hashes, rows, stored[rows.start + at : rows.stop + at])
+                    for job, rows, _ in jobs]
         return [partial(_hashed, job, hashes, dest, rows, whole) for job, rows, whole in jobs]
 
     def _reads(self, source: ChunkSource, m: Manifest, key: str, part: PartRecord, inter: Box,
@@ -179,6 +186,12 @@ def _hashed(job: Job, hashes: RowHashes, dest: torch.Tensor, rows: slice, whole_
         hashes.took(rows, dest[rows])
     else:
         hashes.lost(rows)
+
+
+def _given(job: Job, hashes: RowHashes, rows: slice, stored: torch.Tensor) -> None:
+    """Runs a read job, then takes ``stored`` as the hashes of the rows ``rows`` it wrote whole."""
+    job()
+    hashes.given(rows, stored)
 
 
 def write_block(sink: ChunkSink, key: str, path: str, t: torch.Tensor, chunk_shape: tuple[int, ...],
