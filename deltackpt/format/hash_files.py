@@ -10,7 +10,7 @@ order, each entry's ``rows`` hashes (XXH64 of each row's bytes in the part's col
 ``16 + 24 E + 8 sum(rows)`` bytes.
 
 Example:
-    >>> data = encode_hashes([(0, -1, torch.tensor([7, -8]))])
+    >>> data = b"".join(encode_hashes([(0, -1, torch.tensor([7, -8]))]))
     >>> len(data), decode_hashes(data, "f", 1)[(0, -1)].tolist()
     (56, [7, -8])
 """
@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+import xxhash
 
 from ..errors import ManifestError
 
@@ -33,12 +34,20 @@ most 1/16 to the bytes of the parts it covers (1/64 for rows of 128 float32)."""
 _MAX = 2**62
 
 
-def encode_hashes(entries: Sequence[tuple[int, int, torch.Tensor]]) -> bytes:
-    """The file of ``(tensor, path, hashes)`` entries (hashes int64, one a row, on the CPU)."""
+def encode_hashes(entries: Sequence[tuple[int, int, torch.Tensor]]) -> list[memoryview]:
+    """The file of ``(tensor, path, hashes)`` entries (hashes int64, one a row, contiguous on the
+    CPU), in pieces: the hashes are not copied."""
     cols = np.array([(t, p, h.numel()) for t, p, h in entries], dtype="<i8").reshape(-1, 3)
-    parts = [MAGIC, np.array([len(entries)], dtype="<u8").tobytes(), cols.T.tobytes()]
-    parts += [h.contiguous().numpy().astype("<i8", copy=False).tobytes() for _, _, h in entries]
-    return b"".join(parts)
+    head = MAGIC + np.array([len(entries)], dtype="<u8").tobytes() + cols.T.tobytes()
+    return [memoryview(head), *(h.numpy().astype("<i8", copy=False).data for _, _, h in entries)]
+
+
+def digest(pieces: Sequence[memoryview]) -> tuple[int, str]:
+    """The size and xxh3-64 hex digest of the file ``pieces`` make."""
+    h = xxhash.xxh3_64()
+    for p in pieces:
+        h.update(p)
+    return sum(p.nbytes for p in pieces), h.hexdigest()
 
 
 def decode_hashes(data: bytes | memoryview | np.ndarray, where: str, tensors: int

@@ -22,7 +22,8 @@ from ..collectives import Collective
 from ..collector import paused
 from ..errors import BrokenChainError, StateError, StepExistsError
 from ..format.layout import STEPS
-from ..format.record_io import checksum, hashes_key, table_key
+from ..format.hash_files import digest
+from ..format.record_io import hashes_key, table_key
 from ..format.manifest import Manifest
 from ..io.staging import StagingPool
 from ..io.threads import run_ahead
@@ -195,7 +196,7 @@ class Saver:
                                      or held.lease.attempt == self._head.attempt)
 
     def _write_and_commit(self, save: SavePlan, table: Callable[[WriteResult], tuple[bytes | None, Written]],
-                          hashed: Callable[[Mapping[str, TensorChange]], bytes | None],
+                          hashed: Callable[[Mapping[str, TensorChange]], list[memoryview] | None],
                           record: Callable[[list[Written]], Committed], writers: list[StepWriter],
                           tensors: dict[str, torch.Tensor], staging: Callable[[], dict[str, TensorChange]],
                           gate: Future[None] | None, t0: float, blocked: float | None) -> SaveInfo:
@@ -212,16 +213,17 @@ class Saver:
         storage = self.store.storage
         rank = self._coll.rank
 
-        def files(staged: dict[str, TensorChange], result: WriteResult) -> tuple[dict[str, bytes], Written]:
+        def files(staged: dict[str, TensorChange], result: WriteResult
+                  ) -> tuple[dict[str, list[memoryview]], Written]:
             if gate is not None:
                 gate.result()
             data, sent = table(result)
-            out = {} if data is None else {table_key(save.attempt, rank): data}
+            out = {} if data is None else {table_key(save.attempt, rank): [memoryview(data)]}
             rows = hashed(staged)
             if rows is not None:
                 out[hashes_key(save.attempt, rank)] = rows
-                sent = replace(sent, hashes=(len(rows), checksum(rows)),
-                               bytes_written=sent.bytes_written + len(rows))
+                size, hexdigest = digest(rows)
+                sent = replace(sent, hashes=(size, hexdigest), bytes_written=sent.bytes_written + size)
             return out, sent
 
         def write_here() -> tuple[Written, dict[str, TensorChange]]:

@@ -117,7 +117,7 @@ def stage_part(writer: StepWriter, kind: Kind, item: WriteItem, change: TensorCh
 
 
 def row_hash_file(kind: Kind, items: Sequence[WriteItem], index: Sequence[int],
-                  staged: Mapping[str, TensorChange]) -> bytes | None:
+                  staged: Mapping[str, TensorChange]) -> list[memoryview] | None:
     """A base's row hash file of ``items`` (their tensors' places in the root ``index``): the
     hash of every row of each part of two or more dimensions, not small, whose rows hold at least
     ``HASHED_ROW_BYTES``, as the change sets ``staged`` hold them once the writes ended (the
@@ -131,7 +131,7 @@ def row_hash_file(kind: Kind, items: Sequence[WriteItem], index: Sequence[int],
         if (hashes is not None and t.dim() >= 2 and t.nbytes > SMALL_TENSOR_BYTES
                 and t.nbytes // t.shape[0] >= HASHED_ROW_BYTES and hashes.shape == (t.shape[0],)
                 and tuple(t.shape) == it.part.box.shape):
-            entries.append((i, path_column(it.part.path), hashes.cpu()))
+            entries.append((i, path_column(it.part.path), hashes.cpu().contiguous()))
     return encode_hashes(entries) if entries else None
 
 
@@ -197,11 +197,13 @@ def _chunk_shape(item: WriteItem, sizes: tuple[int, int]) -> tuple[int, ...]:
 
 
 def write(storage: Storage, writers: list[StepWriter],
-          record: Callable[[WriteResult], tuple[Mapping[str, bytes], T]], *, helping: bool = True) -> T:
+          record: Callable[[WriteResult], tuple[Mapping[str, Sequence[memoryview]], T]], *,
+          helping: bool = True) -> T:
     """Waits for every staged write, writes the files that ``record`` makes of what was written
-    (the rank's part table) and makes every file durable; returns what ``record`` returns beside
-    its files. ``helping``: this thread writes and checks the files no I/O thread has started
-    (a blocking save's; see :meth:`~deltackpt.io.writer.StepWriter.finish`).
+    (the rank's part table and row hashes, each in pieces) and makes every file durable;
+    returns what ``record`` returns beside its files. ``helping``: this thread writes and
+    checks the files no I/O thread has started (a blocking save's; see
+    :meth:`~deltackpt.io.writer.StepWriter.finish`).
 
     Raises:
         StoreError: a write failed (after every write ended).
@@ -231,7 +233,7 @@ def write(storage: Storage, writers: list[StepWriter],
         storage.sync(written, run=run)
         raise error
     more, out = record(WriteResult(files, packs, bounds))
-    for key, data in more.items():
-        storage.write(key, [memoryview(data)])
+    for key, pieces in more.items():
+        storage.write(key, pieces)
     storage.sync([*written, *more], run=run)
     return out

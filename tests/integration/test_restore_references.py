@@ -226,7 +226,7 @@ def forge_hashes(root: Path, step: int, rows: list[int]) -> None:
     (key, values), = decode_hashes(path.read_bytes(), "f", 100).items()
     values = torch.from_numpy(values.copy())
     values[rows] += 1
-    data = encode_hashes([(*key, values)])
+    data = b"".join(encode_hashes([(*key, values)]))
     path.write_bytes(data)
     doc = read_record(root, step)
     doc["hashes"] = [[0, len(data), xxhash.xxh3_64_hexdigest(data)]]

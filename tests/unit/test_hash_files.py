@@ -6,23 +6,26 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from deltackpt import Checkpointer, ManifestError
-from deltackpt.format.hash_files import HASHED_ROW_BYTES, decode_hashes, encode_hashes
+from deltackpt.format.hash_files import HASHED_ROW_BYTES, decode_hashes, digest, encode_hashes
 from deltackpt.format.limits import key_problem
 from hostile import parse_doc, read_record
 
 
 def test_round_trip():
     a, b = torch.tensor([1, -2, 2**63 - 1]), torch.empty(0, dtype=torch.int64)
-    data = encode_hashes([(3, -1, a), (0, 7, b)])
+    pieces = encode_hashes([(3, -1, a), (0, 7, b)])
+    data = b"".join(pieces)
     assert len(data) == 16 + 24 * 2 + 8 * 3
+    assert digest(pieces) == (len(data), xxhash.xxh3_64_hexdigest(data))
     got = decode_hashes(data, "f", 4)
     assert got.keys() == {(3, -1), (0, 7)}
     assert got[3, -1].tolist() == a.tolist() and got[0, 7].size == 0
 
 
-GOOD = encode_hashes([(1, 0, torch.arange(4)), (1, 1, torch.arange(2))])
+GOOD = b"".join(encode_hashes([(1, 0, torch.arange(4)), (1, 1, torch.arange(2))]))
 
 
 @pytest.mark.parametrize("data, message", [
@@ -31,10 +34,10 @@ GOOD = encode_hashes([(1, 0, torch.arange(4)), (1, 1, torch.arange(2))])
     (GOOD[:-8], "bytes, where its entries make"),
     (GOOD + b"\0" * 8, "bytes, where its entries make"),
     (GOOD[:8] + np.array([2**40], "<u8").tobytes() + GOOD[16:], "entries do not fit"),
-    (encode_hashes([(2, 0, torch.arange(1))]), "names no part"),  # the root lists 2 tensors
-    (encode_hashes([(-1, 0, torch.arange(1))]), "names no part"),
-    (encode_hashes([(0, -2, torch.arange(1))]), "names no part"),
-    (encode_hashes([(0, 0, torch.arange(1)), (0, 0, torch.arange(1))]), "listed twice"),
+    (b"".join(encode_hashes([(2, 0, torch.arange(1))])), "names no part"),  # the root lists 2 tensors
+    (b"".join(encode_hashes([(-1, 0, torch.arange(1))])), "names no part"),
+    (b"".join(encode_hashes([(0, -2, torch.arange(1))])), "names no part"),
+    (b"".join(encode_hashes([(0, 0, torch.arange(1)), (0, 0, torch.arange(1))])), "listed twice"),
 ])
 def test_a_hostile_file_is_refused(data, message):
     with pytest.raises(ManifestError, match=message):
