@@ -57,9 +57,9 @@ def test_a_base_of_small_tensors_is_a_pack_and_large_ones_are_arrays(saved):
         m = ckpt.store.manifest(1)
     files = files_under(os.path.join(path, "steps", m.attempt))
     # The attempt's group, the pack (one file and its metadata), the part table, the table's
-    # array (its metadata and its chunks) and its row hashes: no file or folder per small tensor.
+    # array (its metadata and its chunks): no file or folder per small tensor.
     table = [f for f in files if f.startswith("table" + os.sep)]
-    assert sorted(set(files) - set(table)) == ["hashes.0", "pack.0/c.0", "pack.0/zarr.json", "parts.0", "zarr.json"]
+    assert sorted(set(files) - set(table)) == ["pack.0/c.0", "pack.0/zarr.json", "parts.0", "zarr.json"]
     assert len(table) == 1 + len(m.tensors["table"].parts[0].chunks) - 1
     assert m.tensors["table"].parts[0].pack is None
     small = [r for k, r in m.tensors.items() if k != "table" and r.shape[0:1] != (0,)]
