@@ -194,13 +194,18 @@ def test_a_base_stores_the_hash_of_every_row_of_its_wide_tables(tmp_path):
     assert first.bytes_written >= size + state["wide"].nbytes
 
 
-def test_a_restore_takes_a_base_s_stored_hashes_and_hashes_only_the_deltas_rows(tmp_path, monkeypatch):
+@pytest.mark.parametrize("same", [False, True], ids=["new-checkpointer", "same-checkpointer"])
+def test_a_restore_takes_a_base_s_stored_hashes_and_hashes_only_the_deltas_rows(tmp_path, monkeypatch, same):
+    """Read from the store, or from the record the saving checkpointer parsed at its commit."""
     g = torch.Generator().manual_seed(5)
     state = wide_state(g)
-    with Checkpointer(str(tmp_path), policy=NeverBase(), chunk_bytes=16384) as ckpt:
-        ckpt.save(0, state)
-        state["wide"][[4, 900, 901]] += 1.0
-        ckpt.save(1, state)
+    ckpt = Checkpointer(str(tmp_path), policy=NeverBase(), chunk_bytes=16384)
+    ckpt.save(0, state)
+    state["wide"][[4, 900, 901]] += 1.0
+    ckpt.save(1, state)
+    if not same:
+        ckpt.close()
+        ckpt = Checkpointer(str(tmp_path), policy=NeverBase(), chunk_bytes=16384)
     hashed: list[int] = []
     real = RowHashes.took
 
@@ -209,7 +214,7 @@ def test_a_restore_takes_a_base_s_stored_hashes_and_hashes_only_the_deltas_rows(
         return real(self, rows, data)
 
     monkeypatch.setattr(RowHashes, "took", counting)
-    with Checkpointer(str(tmp_path), policy=NeverBase(), chunk_bytes=16384) as ckpt:
+    with ckpt:
         got = {k: torch.zeros_like(v) for k, v in state.items()}
         assert ckpt.restore(got, 1) == 1
         assert same_bits(got["wide"], state["wide"])
