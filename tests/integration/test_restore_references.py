@@ -224,14 +224,14 @@ def test_a_restore_takes_a_base_s_stored_hashes_and_hashes_only_the_deltas_rows(
         assert changed_rows(ckpt, 2) == {"wide": [7, 1199]}
 
 
-def forge_hashes(root: Path, step: int, rows: list[int]) -> None:
-    """Rewrites the stored hashes of ``rows`` of "wide" (wrong, but with a checksum and a record
-    to match them, as an attacker could)."""
+def forge_hashes(root: Path, step: int, rows: list[int], keep: slice = slice(None)) -> None:
+    """Rewrites the stored hashes of ``rows`` of "wide", and keeps only ``keep`` of them (wrong,
+    but with a checksum and a record to match them, as an attacker could)."""
     path = hashes_file(root, step)
     (key, values), = decode_hashes(path.read_bytes(), "f", 100).items()
     values = torch.from_numpy(values.copy())
     values[rows] += 1
-    data = b"".join(encode_hashes([(*key, values)]))
+    data = b"".join(encode_hashes([(*key, values[keep])]))
     path.write_bytes(data)
     doc = read_record(root, step)
     doc["hashes"] = [[0, len(data), xxhash.xxh3_64_hexdigest(data)]]
@@ -263,11 +263,16 @@ def test_wrong_stored_hashes_make_the_next_delta_write_those_rows(tmp_path, trac
         assert same_bits(again.weight, got.weight)
 
 
-def test_a_damaged_row_hash_file_is_refused_by_restore_and_verify(tmp_path):
-    g = torch.Generator().manual_seed(5)
-    state = wide_state(g)
-    with Checkpointer(str(tmp_path), policy=NeverBase()) as ckpt:
+def saved_wide_base(root: Path) -> dict:
+    """Saves a base of a wide state as step 0 of a store; returns the state."""
+    state = wide_state(torch.Generator().manual_seed(5))
+    with Checkpointer(str(root), policy=NeverBase()) as ckpt:
         ckpt.save(0, state)
+    return state
+
+
+def test_a_damaged_row_hash_file_is_refused_by_restore_and_verify(tmp_path):
+    state = saved_wide_base(tmp_path)
     path = hashes_file(tmp_path, 0)
     data = bytearray(path.read_bytes())
     data[100] ^= 1
@@ -280,12 +285,18 @@ def test_a_damaged_row_hash_file_is_refused_by_restore_and_verify(tmp_path):
         assert same_bits(ckpt.load(0)["wide"], state["wide"])  # a load needs no hashes
 
 
+def test_stored_hashes_of_another_number_of_rows_are_refused(tmp_path):
+    state = saved_wide_base(tmp_path)
+    forge_hashes(tmp_path, 0, [], keep=slice(1, None))
+    with Checkpointer(str(tmp_path), policy=NeverBase()) as ckpt:
+        with pytest.raises(IntegrityError, match=f"hashes.0.*{WIDE[0] - 1} row hashes for part '' of 'wide'"):
+            ckpt.restore({k: torch.zeros_like(v) for k, v in state.items()}, 0)
+        assert [p.kind for p in ckpt.verify(0).problems] == ["corrupt"]
+
+
 def test_a_base_without_stored_hashes_restores_by_hashing_its_rows(tmp_path):
     """As a base written before row hashes existed (or made by compaction) is read."""
-    g = torch.Generator().manual_seed(5)
-    state = wide_state(g)
-    with Checkpointer(str(tmp_path), policy=NeverBase()) as ckpt:
-        ckpt.save(0, state)
+    state = saved_wide_base(tmp_path)
     doc = read_record(tmp_path, 0)
     del doc["hashes"]
     write_record(tmp_path, 0, doc)
