@@ -12,6 +12,10 @@ One run, rounds interleaved so that drift on a shared VM hits every case alike, 
               with every core busy, three times after each of those saves: how much slower any
               CPU work runs beside the spinners, the floor of the busy delta's ratio (only the
               save's waits for the disk can bring its ratio below it)
+  disk floor  a write of the delta's share of the state's bytes to a fresh file in a fresh
+              folder, then fsync of both (what ``torch.save`` + fsync of the changed rows
+              costs), quiet and right after the same unsynced writes again: how much slower any
+              durable write is then, the floor of the dirty delta's ratio
   padding     the delta step's bytes on disk (every file of its attempt folder) / its payload
               (changed rows x row bytes, plus their ids as stored, lz4-coded; counted at 8 B an id,
               the coding hid the padding)
@@ -146,6 +150,29 @@ def cpu_work(src: np.ndarray, dst: np.ndarray) -> float:
     return statistics.median(times)
 
 
+def disk_work(scratch: str, data: np.ndarray) -> float:
+    """Seconds of the disk floor's job: ``data`` written to a fresh file in a fresh folder, both
+    fsync-ed (the folder and file are removed after)."""
+    folder = tempfile.mkdtemp(dir=scratch)
+    t0 = time.perf_counter()
+    fd = os.open(os.path.join(folder, "f"), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dfd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    seconds = time.perf_counter() - t0
+    shutil.rmtree(folder)
+    return seconds
+
+
 def timed_save(ckpt: Checkpointer, state: dict, step: int) -> float:
     t0 = time.perf_counter()
     info = ckpt.save(step, state)
@@ -185,9 +212,11 @@ def run(args: argparse.Namespace, scratch: str) -> int:
     count = DirectCount(ckpt.store.storage)
     times: dict[str, list[float]] = {"quiet": [], "dirty": [], "busy": []}
     floor: dict[str, list[float]] = {"quiet": [], "busy": []}
+    disk_floor: dict[str, list[float]] = {"quiet": [], "dirty": []}
     src = np.random.default_rng(0).integers(0, 256, FLOOR_MIB * MiB, dtype=np.uint8)
     dst = np.empty_like(src)
     np.copyto(dst, src)  # touched before it is timed
+    written = np.random.default_rng(1).integers(0, 256, int(state_bytes * args.delta), dtype=np.uint8)
     base_s, cold_s, disk = [], [], []
     saved: dict[int, dict] = {}
     ratio = []
@@ -218,9 +247,12 @@ def run(args: argparse.Namespace, scratch: str) -> int:
             step = touch(ckpt, state, args, gen)
             if case == "dirty":
                 noise = os.path.join(scratch, "other.bin")
-                subprocess.run([sys.executable, "-c", DIRTY, noise, str(int(args.dirty_gib * 16))],
-                               check=True)
+                dirty = [sys.executable, "-c", DIRTY, noise, str(int(args.dirty_gib * 16))]
+                subprocess.run(dirty, check=True)
                 times[case].append(timed_save(ckpt, state, step))
+                os.unlink(noise)
+                subprocess.run(dirty, check=True)  # the same writes again, for the disk floor
+                disk_floor[case].append(disk_work(scratch, written))
                 os.unlink(noise)
             elif case == "busy":
                 spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(os.cpu_count() or 2)]
@@ -235,6 +267,7 @@ def run(args: argparse.Namespace, scratch: str) -> int:
             else:
                 times[case].append(timed_save(ckpt, state, step))
                 floor[case].append(cpu_work(src, dst))
+                disk_floor[case].append(disk_work(scratch, written))
             m = ckpt.store.manifest(step)
             ratio.append(tree_bytes(os.path.join(scratch, "store", "steps", m.attempt)) / payload(ckpt, step))
             if r == args.repeat - 1:
@@ -261,6 +294,10 @@ def run(args: argparse.Namespace, scratch: str) -> int:
           f"| {runs(times['dirty'])} | {med['dirty'] / med['quiet']:.2f}x quiet | <= 1.5x |")
     print(f"| delta, every core busy in other processes | {med['busy']:.3f} s | {runs(times['busy'])} "
           f"| {med['busy'] / med['quiet']:.2f}x quiet | <= 2x |")
+    dq, dd = statistics.median(disk_floor["quiet"]), statistics.median(disk_floor["dirty"])
+    print(f"| disk floor: {written.nbytes / 1e6:.1f} MB written and fsync-ed, after the unsynced writes "
+          f"| {dd:.4f} s | {runs(disk_floor['dirty'], 4)} | {dd / dq:.2f}x quiet ({dq:.4f} s: "
+          f"{runs(disk_floor['quiet'], 4)}) | the dirty delta's floor |")
     fq, fb = statistics.median(floor["quiet"]), statistics.median(floor["busy"])
     print(f"| CPU floor: a {FLOOR_MIB} MiB copy on one thread, every core busy | {fb:.4f} s "
           f"| {runs(floor['busy'], 4)} | {fb / fq:.2f}x quiet ({fq:.4f} s: {runs(floor['quiet'], 4)}) "
@@ -281,6 +318,8 @@ def run(args: argparse.Namespace, scratch: str) -> int:
         figure("1% delta, every core busy", times["busy"], peer="quiet", peer_runs=times["quiet"]),
         figure(f"CPU floor: {FLOOR_MIB} MiB copy on one thread, every core busy", floor["busy"], peer="quiet",
                peer_runs=floor["quiet"]),
+        figure(f"disk floor: write + fsync of {written.nbytes / 1e6:.1f} MB, after {args.dirty_gib} GiB of "
+               "unsynced writes", disk_floor["dirty"], peer="quiet", peer_runs=disk_floor["quiet"]),
         figure("delta bytes on disk / payload", ratio, "x"),
         figure("base save", [state_bytes / x / 1e9 for x in base_s], "GB/s", peer="disk O_DIRECT write",
                peer_runs=disk),
