@@ -25,8 +25,8 @@ from ..errors import (
 )
 from ..format.grid import chunk_bytes
 from ..format.layout import STEPS, as_step, chunk_path
-from ..format.record_io import hashes_key
 from ..format.manifest import Manifest, PartRecord, TensorRecord
+from ..format.record_io import hashes_key
 from ..format.zarr_meta import decode
 from ..io.fetch import fetch, fetch_file_in_pieces, file_size, stored_size
 from ..io.reader import ChainReader
