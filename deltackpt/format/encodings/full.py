@@ -127,8 +127,7 @@ class Full(Encoding):
         if hashes is None:
             return [job for job, _, _ in jobs]
         # A part of the box's columns may have its rows' hashes stored: those of whole rows.
-        same_cols = part.offset[1:] == box.offset[1:] and part.shape[1:] == box.shape[1:]
-        stored = source.stored_hashes(m, key, part) if same_cols else None
+        stored = source.stored_hashes(m, key, part) if _same_columns(part, box) else None
         if stored is not None:
             at = box.offset[0] - part.offset[0]  # row d of dest is row d + at of the part
             return [partial(_given, job, hashes, rows, stored[rows.start + at : rows.stop + at])
@@ -148,7 +147,7 @@ class Full(Encoding):
         r1 = r0 + inter.shape[0]
         # Columns of the intersection within the part and within the destination.
         src_cols, dst_cols = inter.slices(part.box)[1:], inter.slices(box)[1:]
-        same_cols = part.offset[1:] == box.offset[1:] and rest == box.shape[1:]
+        same_cols = _same_columns(part, box)
         whole_rows = inter.offset[1:] == box.offset[1:] and inter.shape[1:] == box.shape[1:]
         raw = not dtypes.compresses(dtype)
         dest_bytes = dest.reshape(dest.shape[0], -1).view(torch.uint8) if dest.numel() else None
@@ -177,6 +176,11 @@ class Full(Encoding):
 
 
 FULL = cast(Full, REGISTRY[Full.name])
+
+
+def _same_columns(part: PartRecord, box: Box) -> bool:
+    """Whether ``part`` spans exactly the columns (every dimension but the first) of ``box``."""
+    return part.offset[1:] == box.offset[1:] and part.shape[1:] == box.shape[1:]
 
 
 def _hashed(job: Job, hashes: RowHashes, dest: torch.Tensor, rows: slice, whole_rows: bool) -> None:
