@@ -39,6 +39,11 @@ from .threads import idle_cores, run_shared
 
 
 MAX_PIECES = 8  # pieces a large gather is split into, for the I/O threads and the saving one
+# The least bytes a gather gives each of its pieces. Rows from all over a table are gathered at the
+# pace of memory's latency, not its bandwidth, so two threads take about half the time of one: the
+# 2.6 MB of marked rows of each table of a 1% delta of bench/bench_async.py took 0.6-1.0 ms on one
+# thread, 0.4-0.7 ms in pieces of 1 MiB (a piece costs a hand-off, ~50 us).
+GATHER_PIECE_BYTES = 1 << 20
 COPY_PIECE_BYTES = 4 << 20  # the least a staging copy shared with the I/O threads gives each
 # A staged chunk under this many bytes is appended to the pack by the saving thread: copying and
 # hashing it costs less than waking the pack thread and trading the GIL with it (a small
@@ -276,7 +281,9 @@ class StepWriter:
 
     def gather(self, flat: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copies rows ``ids`` of ``flat`` (CPU) into ``out`` (a staging buffer), in pieces of at
-        least ``PARALLEL_MIN`` bytes run by the I/O threads and this one.
+        least ``GATHER_PIECE_BYTES`` run by the I/O threads and this one (one piece on this
+        thread alone: a delta's gathers of a few kB, a table's sums, each cost ~70 us in the
+        jobs' bookkeeping).
 
         numpy's take, not torch's index_select: on a busy node, waking torch's thread pool made
         gathering 5,000 rows of 128 B take 7 ms where one thread took 0.02 ms. The ids are
@@ -284,7 +291,10 @@ class StepWriter:
         """
         src, idx, dst = flat.view(torch.uint8).numpy(), ids.numpy(), out.view(torch.uint8).numpy()
         n = len(idx)
-        pieces = max(1, min(MAX_PIECES, n * dst.shape[1] // kernels.PARALLEL_MIN))
+        pieces = max(1, min(MAX_PIECES, n * dst.shape[1] // GATHER_PIECE_BYTES))
+        if pieces == 1:
+            np.take(src, idx, axis=0, out=dst[:n], mode="clip")
+            return
         step = -(-n // pieces)
 
         def piece(lo: int) -> None:

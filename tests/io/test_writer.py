@@ -235,3 +235,22 @@ def test_a_pack_write_failing_part_way_gives_back_every_buffer():
         assert all(pool._slots.acquire(timeout=5) for _ in range(4)), failure  # every buffer came back
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("rows, pieces", [(100, 1), (2048 + 7, 2), (100_000, writer.MAX_PIECES)])
+def test_a_gather_is_split_into_pieces_of_at_least_a_mib(monkeypatch, rows, pieces):
+    """Rows of 1 KiB from all over a table: a gather of under two pieces' bytes runs on the
+    calling thread alone, a larger one in pieces shared with the I/O threads, at most
+    MAX_PIECES; the same rows either way."""
+    runs: list[int] = []
+    shared = writer.run_shared
+    monkeypatch.setattr(writer, "run_shared", lambda ex, jobs, *a: (runs.append(len(jobs)), shared(ex, jobs, *a)))
+    table = torch.randn(200_000, 256)
+    ids = torch.randperm(200_000)[:rows].sort().values
+    pool = StagingPool(1, rows * 1024)
+    with ThreadPoolExecutor(2) as ex:
+        w = StepWriter(MemoryStorage(), "steps/6-f", pool, ex)
+        out = pool.acquire(rows * 1024).view(torch.float32).view(rows, 256)
+        w.gather(table, ids, out)
+    assert runs == ([] if pieces == 1 else [pieces])
+    assert out.equal(table[ids])
