@@ -46,7 +46,7 @@ import torch
 from .. import kernels  # installed from kernels/, see pyproject
 from ..format.encodings import dense_chunk_elems
 from .hashing import Hasher
-from .marks import TableMode, TrackedTable, draw_rows
+from .marks import TableMode, TrackedTable
 from .joined import Joined, Layout, lay_out, scan_small, settle
 from .references import NO_IDS, SMALL_TENSOR_BYTES, Reference, TensorChange, is_row_sparse, is_small, joined_piece
 from .rows import RowTracker, TrackedGroup
@@ -124,8 +124,10 @@ class ChangeTracker:
         self.rows.poll()
         groups = self.rows.resolve(tensors, held)
         self._aligned = self.rows.aligned(tensors, groups)
-        for group in groups:
-            out.update(self._scan_group(group, tensors))
+        marked = [group.table.marked(group.rows) for group in groups]
+        missed = self._canaries(groups, marked, tensors)
+        for group, ids, keys in zip(groups, marked, missed):
+            out.update(self._scan_group(group, {k: tensors[k] for k in group.keys}, ids, keys))
             self._scanned.append(group.table)
         self._hashed = {k: t for k, t in tensors.items() if k not in out} if out else tensors
         out.update(self._scan_all(self._hashed))
@@ -295,18 +297,14 @@ class ChangeTracker:
             out[key] = TensorChange((h != self._refs[key].hashes).nonzero().flatten(), h, aligned=self._aligned_1d(key, t))
         return {k: out[k] for k in tensors}
 
-    def _scan_group(
-        self, group: TrackedGroup, tensors: dict[str, torch.Tensor]
-    ) -> dict[str, TensorChange]:
+    def _scan_group(self, group: TrackedGroup, members: dict[str, torch.Tensor], ids: torch.Tensor | None,
+                    missed: list[str]) -> dict[str, TensorChange]:
+        """The change sets of a table's tensors ``members``: from its marked rows ``ids`` (None:
+        marks off), unless it is audited now, or the canary ``missed`` changes of some."""
         table = group.table
-        members = {k: tensors[k] for k in group.keys}
-        table.check_rows(group.rows)
-        if table.mode is TableMode.ON:
-            ids = table.take()
-            audit = table.canary.audit_every
-            if audit is not None and table.deltas_since_audit + 1 >= audit:
+        if ids is not None:
+            if table.audits_now():
                 return self._audit(group, members, ids)
-            missed = self._canary(group, members, ids)
             if not missed:
                 return {k: self._from_marks(k, t, ids) for k, t in members.items()}
             log.warning(
@@ -344,31 +342,36 @@ class ChangeTracker:
         units = self._units(key, t, ids)
         return TensorChange(units, None if units.numel() else NO_IDS, partial=True, aligned=aligned)
 
-    def _canary(
-        self, group: TrackedGroup, members: dict[str, torch.Tensor], ids: torch.Tensor
-    ) -> list[str]:
-        """Keys whose sampled unmarked rows differ from the last commit."""
-        if not group.rows:
-            return []
-        table = group.table
-        sample = draw_rows(group.rows, table.canary.sample_size(group.rows), table.rng)
-        if ids.numel():  # the unmarked ones, in numpy on this thread, as in adopt
-            marked, drawn = ids.cpu().numpy(), sample.numpy()
-            at = np.searchsorted(marked, drawn).clip(max=marked.size - 1)
-            sample = torch.from_numpy(drawn[marked[at] != drawn])
-        missed = []
-        for key, t in members.items():
-            by_rows = self.by_rows(key, t)
-            ref = self._refs.get(key)
-            if ref is None or not ref.matches(t, by_rows):
+    def _canaries(self, groups: list[TrackedGroup], marked: list[torch.Tensor | None],
+                  tensors: dict[str, torch.Tensor]) -> list[list[str]]:
+        """For each table whose marks are on (``marked``) and that is not audited now, the keys
+        whose sampled unmarked rows differ from the last commit; the samples of every table's
+        row-sparse tensors hashed in one run of the hasher (:meth:`Hasher.rows_at`)."""
+        missed: list[list[str]] = [[] for _ in groups]
+        checks: list[tuple[int, str, torch.Tensor]] = []  # table, key, the sampled rows' references
+        sampled: list[tuple[torch.Tensor, torch.Tensor]] = []  # their tensor's rows, their ids
+        for i, (group, ids) in enumerate(zip(groups, marked)):
+            if ids is None or not group.rows or group.table.audits_now():
                 continue
-            units = self._units(key, t, sample)
-            if not by_rows and units.numel():
-                # A chunk holding a marked row has changed legitimately; only whole-unmarked
-                # chunks can be checked.
-                units = units[~torch.isin(units, self._units(key, t, ids))]
-            if units.numel() and not torch.equal(self._hash_units(key, t, units), ref.hashes[units]):
-                missed.append(key)
+            sample = group.table.sample(group.rows, ids)
+            for key in group.keys:
+                t, ref = tensors[key], self._refs.get(key)
+                by_rows = self.by_rows(key, t)
+                if ref is None or not ref.matches(t, by_rows):
+                    continue
+                units = self._units(key, t, sample)
+                if not by_rows and units.numel():  # only chunks that hold no marked row
+                    units = units[~torch.isin(units, self._units(key, t, ids))]
+                if not units.numel():
+                    continue
+                if by_rows:
+                    checks.append((i, key, ref.hashes[units]))
+                    sampled.append((t if t.dim() >= 2 else t.view(-1, 1), units))
+                elif not torch.equal(self._hash_units(key, t, units), ref.hashes[units]):
+                    missed[i].append(key)
+        for (i, key, want), got in zip(checks, self.hasher.rows_at(sampled)):
+            if not torch.equal(got, want):
+                missed[i].append(key)
         return missed
 
     def _units(self, key: str, t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -379,11 +382,8 @@ class ChangeTracker:
 
     def _hash_units(self, key: str, t: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
         """Hashes of rows or chunks ``units`` of ``t``, computed on ``t``'s device, on the CPU."""
-        if not units.numel():
-            return torch.empty(0, dtype=torch.int64)
         if self.by_rows(key, t):
-            rows = t if t.dim() >= 2 else t.view(-1, 1)
-            return self.hasher.rows(kernels.gather_rows(rows, units.to(t.device)))
+            return self.hasher.rows_at([(t if t.dim() >= 2 else t.view(-1, 1), units)])[0]
         # A chunk's hash is the hash of its bytes, so whole chunks hash as the rows of a
         # (chunks, chunk_elems) view; the short last chunk, if any, on its own.
         ce = self.chunk_elems(t)

@@ -282,12 +282,29 @@ class TrackedTable:
         """Forgets the pending rows: the save that took them committed."""
         self.pending = None
 
+    def audits_now(self) -> bool:
+        """Whether the scan of the next delta audits the table (hashes it whole)."""
+        every = self.canary.audit_every
+        return every is not None and self.deltas_since_audit + 1 >= every
+
+    def sample(self, rows: int, marked: torch.Tensor) -> torch.Tensor:
+        """The canary's draw of the table's ``rows`` rows, less the ``marked`` ones (sorted ids,
+        as :meth:`take` gives them): found in numpy on this thread, as ``adopt`` does."""
+        drawn = draw_rows(rows, self.canary.sample_size(rows), self.rng)
+        if not marked.numel():
+            return drawn
+        ids, d = marked.cpu().numpy(), drawn.numpy()
+        return torch.from_numpy(d[ids[np.searchsorted(ids, d).clip(max=ids.size - 1)] != d])
+
     # -- mode transitions -----------------------------------------------------------------------
 
-    def check_rows(self, rows: int) -> None:
-        """Before a scan: a table resized since its marks started stops them (ON -> OFF)."""
+    def marked(self, rows: int) -> torch.Tensor | None:
+        """At a scan of the table's ``rows`` rows: the rows marked (see :meth:`take`) where the
+        marks stand for its changes, else None; a table resized since they started stops them
+        (ON -> OFF)."""
         if self.mode is TableMode.ON and self.mask is not None and self.mask.shape[0] != rows:
             self.stop()
+        return self.take() if self.mode is TableMode.ON else None
 
     def fall_back(self) -> None:
         """The canary found an unmarked change: hash the table from now on (-> HASHING)."""

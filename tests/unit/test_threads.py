@@ -169,6 +169,25 @@ def test_tables_hashed_together_wake_the_threads_once(idle):
     assert got[-1].equal(kernels.hash_chunks(flat, MiB, threads=1))
 
 
+@pytest.mark.parametrize("found, helped", [(2, 2), (1, 1), (0, 0)])
+def test_rows_drawn_from_several_tables_are_gathered_and_hashed_together(idle, found, helped):
+    """A canary's samples: rows from all over each table (and a row-wise sum, a view of one
+    column), gathered and hashed a table a job, the jobs shared with one thread per idle core,
+    for the bits of hashing each gathered copy; a non-contiguous table and no rows hash too."""
+    idle(found)
+    gen = torch.Generator().manual_seed(0)
+    tables = [torch.randn(20_000 + i, 32, generator=gen) for i in range(3)]
+    sums = torch.rand(20_000, generator=gen).view(-1, 1)
+    strided = torch.randn(32, 20_000, generator=gen).t()
+    ids = [torch.randperm(t.shape[0], generator=gen)[:1024].sort().values for t in (*tables, sums, strided)]
+    inputs = [*zip((*tables, sums, strided), ids), (tables[0], torch.empty(0, dtype=torch.int64))]
+    with CountingPool(3) as ex:
+        got = Hasher(ex, 3).rows_at(inputs)
+    assert ex.submitted == helped
+    for (t, i), h in zip(inputs, got):
+        assert h.equal(kernels.hash_rows(t[i], threads=1))
+
+
 @pytest.mark.parametrize("found", [0, -2])
 def test_no_thread_is_woken_while_every_core_is_busy(idle, found):
     """Under BUSY_SPLIT_BYTES a thread (13 MB and 10 MiB on two threads: 16 MiB each is the
