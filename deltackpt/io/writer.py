@@ -14,7 +14,7 @@ saving thread only gathers: it returns to training sooner; for a non-blocking sa
 only once the caller has staged every chunk (:meth:`StepWriter.staged`), so that the packer's
 hashing and copying do not take the cores from the caller's gathers. A small one is appended by
 the saving thread (see :data:`HAND_OFF_BYTES`), or for a non-blocking save by its background
-thread when it finishes the writer, while staging buffers allow.
+thread when it finishes the writer, while staging buffers allow; so are the ids of a delta's rows.
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ class StepWriter:
         self._packer = packer if pool.buffers > 2 else None
         self._ahead = threading.Semaphore(max(0, pool.buffers - 2))
         self._appends: list[Future[None]] = []
-        # Appends of small staged chunks left to finish(), each with its buffer's release.
+        # Appends left to finish() (small staged chunks, kept ones), each with what gives back
+        # all it holds, had it never run (its buffer and its place among the _ahead).
         self._defer = defer
         self._deferred: list[tuple[Callable[[], None], Callable[[], None]]] = []
         # Appends of large staged chunks held back for the packer until staged(), likewise.
@@ -170,9 +171,8 @@ class StepWriter:
         """After a failure: waits for the queued writes and gives back every staging buffer,
         ignoring write errors (the failure that led here is the one to report)."""
         deferred, self._deferred, self._held = self._deferred + self._held, [], []
-        for _, release in deferred:
+        for _, release in deferred:  # each gives back all its append holds
             release()
-            self._ahead.release()
         wait_all(self._appends)  # before the pack ends: none may start it again
         if self._pack is not None:
             self._pack.discard()
@@ -218,14 +218,15 @@ class StepWriter:
 
     def put(self, key: str, path: str, name: str, data: torch.Tensor, pad: int, dtype: torch.dtype,
             release: Callable[[], None] | None = None, uncoded: bool = False,
-            hash_into: torch.Tensor | None = None, packed: bool | None = None) -> None:
+            hash_into: torch.Tensor | None = None, packed: bool | None = None, kept: bool = False) -> None:
         """Queues one chunk: ``data`` (rows of a tensor) followed by ``pad`` zero bytes, coded as a
         zarr array of ``dtype`` would be (``uncoded``: not coded); with ``hash_into``, the hash
         of each of ``data``'s rows goes there, on an I/O thread (a large file's beside its
         write, see :mod:`deltackpt.io.files`; for the pack, on the thread that appends it). ``packed``: into the pack, or a file (None: into the pack if the
         writer has one). With ``release``, ``data`` is the put's until it is called (a staging
         buffer of its own): the packer or :meth:`finish` may append it later; without, it is read
-        before this returns."""
+        before this returns, unless ``kept`` (``data`` does not change until the save ends, and
+        holds no staging buffer: a change set's ids), when :meth:`finish` may append it later."""
         owned = release is not None
         release = release or (lambda: None)
         if data.device.type != "cpu":
@@ -253,7 +254,7 @@ class StepWriter:
             return [memoryview(codec.encode(whole))]
 
         self._submit(key, path, name, parts, release, before=rows,
-                     packed=self._pack is not None if packed is None else packed, owned=owned,
+                     packed=self._pack is not None if packed is None else packed, owned=owned, kept=kept,
                      large=data.nbytes >= HAND_OFF_BYTES,
                      apart=codec is None and data.is_contiguous() and data.nbytes >= APART_BYTES)
 
@@ -304,7 +305,7 @@ class StepWriter:
 
     def _submit(self, key: str, path: str, name: str, parts: Callable[[], list[memoryview]],
                 release: Callable[[], None] = lambda: None, *, before: Callable[[], None] = lambda: None,
-                packed: bool = False, owned: bool = False, large: bool = False,
+                packed: bool = False, owned: bool = False, kept: bool = False, large: bool = False,
                 apart: bool = False) -> None:
         chunks = self.results.setdefault((key, path), {})
         if packed:
@@ -329,11 +330,13 @@ class StepWriter:
                         raise error
                     self._ahead.acquire()
                 if self._defer:
-                    self._held.append((_then(append, self._ahead.release), release))
+                    self._held.append((_then(append, self._ahead.release), _then(release, self._ahead.release)))
                 else:
                     self._appends.append(self._packer.submit(_then(append, self._ahead.release)))
             elif owned and self._defer and self._ahead.acquire(blocking=False):
-                self._deferred.append((_then(append, self._ahead.release), release))
+                self._deferred.append((_then(append, self._ahead.release), _then(release, self._ahead.release)))
+            elif kept and self._defer:  # coding it is the background's work (blosc: ~70 us for 5,000 ids)
+                self._deferred.append((append, release))
             else:
                 append()
             return

@@ -254,3 +254,32 @@ def test_a_gather_is_split_into_pieces_of_at_least_a_mib(monkeypatch, rows, piec
         w.gather(table, ids, out)
     assert runs == ([] if pieces == 1 else [pieces])
     assert out.equal(table[ids])
+
+
+def test_a_background_save_codes_a_deltas_ids_after_staging_and_abandons_them_cleanly():
+    """Without ``blocking`` (``defer``), the ids of a delta's rows, which do not change until the
+    save ends, are coded and appended by finish(), not by the staging thread; an abandoned
+    writer drops them and gives back every staging buffer and every place of the appends."""
+    rows = torch.randn(64, 32)
+    changed = torch.tensor([1, 5, 9])
+    storage = MemoryStorage()
+    for abandon in (False, True):
+        pool = StagingPool(4, 4096)
+        with ThreadPoolExecutor(2) as ex:
+            w = StepWriter(storage, f"steps/7-{abandon:d}", pool, ex, pack="pack.0", defer=True)
+            ahead = w._ahead._value
+            try:
+                get("rows").encode(w, "t", "", rows, changed, (4, 32))
+                staged = dict(w.results[("t", "")])
+            finally:
+                w.abandon() if abandon else w.finish()  # the pack's file ends either way
+        assert "ids/c.0" not in staged  # left to finish()
+        if abandon:
+            assert w._ahead._value == ahead and pool._slots._value == pool.buffers
+            continue
+        entries = w.results[("t", "")]
+        pack = b"".join(storage.read(f"steps/7-0/pack.0/c.{i}") for i in range(len(w.packs["pack.0"]) - 1))
+        size, _, at = entries["ids/c.0"]
+        assert codec_for(torch.int64).decode(pack[at : at + size])[:24] == changed.numpy().tobytes()
+        size, _, at = entries["rows/c.0.0"]
+        assert pack[at : at + 3 * 128] == rows[changed].numpy().tobytes()

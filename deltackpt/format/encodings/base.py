@@ -111,11 +111,11 @@ class ChunkSink(Protocol):
 
     def put(self, key: str, path: str, name: str, data: torch.Tensor, pad: int, dtype: torch.dtype,
             release: Callable[[], None] | None = None, uncoded: bool = False,
-            hash_into: torch.Tensor | None = None, packed: bool | None = None) -> None:
+            hash_into: torch.Tensor | None = None, packed: bool | None = None, kept: bool = False) -> None:
         """Queues chunk ``name`` of a part: ``data`` then ``pad`` zero bytes, coded as an array of
         ``dtype`` is unless ``uncoded``; ``release`` runs once it is written, and until then
         ``data`` must not change (without ``release``, a packed chunk is copied before this
-        returns). With ``hash_into``, the hash of each of ``data``'s rows goes there, on an I/O
+        returns, unless ``kept``: ``data`` does not change until the save ends). With ``hash_into``, the hash of each of ``data``'s rows goes there, on an I/O
         thread (a large file's beside its write, see :mod:`deltackpt.io.files`). ``packed``: into the writer's pack, or a file of its own (None:
         into the pack if the writer has one)."""
 

@@ -127,7 +127,7 @@ class Rows(Encoding):
             lo, hi = i * chunk_rows, min(n, (i + 1) * chunk_rows)
             pad_rows = chunk_rows - (hi - lo)
             ids = changed[lo:hi]
-            sink.put(key, path, f"ids/{chunk_key(i, 1)}", stored[lo:hi], pad_rows * 8, torch.int64)
+            sink.put(key, path, f"ids/{chunk_key(i, 1)}", stored[lo:hi], pad_rows * 8, torch.int64, kept=True)
             buf = sink.pool.acquire((hi - lo) * row_bytes)
             out = buf.view(t.dtype).view(hi - lo, flat.shape[1])
             try:
