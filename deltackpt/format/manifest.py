@@ -44,7 +44,8 @@ class PartRecord:
         pack: the pack holding the part's chunks (a delta's ``pack.<rank>``), or None when each
             chunk is a file.
         rank: the rank whose part table lists the part: the one that wrote it (in a base made
-            by compaction, the rank whose pack holds a packed part, else rank 0).
+            by compaction, the rank whose pack holds a packed part, or whose row hash file lists
+            the part, else rank 0).
     """
 
     offset: tuple[int, ...]

@@ -10,8 +10,10 @@ It streams: each unit of work is one chunk of rows of one tensor, read from the 
 staging buffer and written as one chunk of the new base, so memory stays within the staging
 pool. As in a base a save writes, a small part (one chunk of at most 1 MiB, see
 :func:`~deltackpt.format.encodings.in_pack`) goes into its writer's pack instead of a zarr array
-of its own: compacting thousands of small tensors writes a few files. Under several ranks the
-units are dealt round-robin and the coordinator commits once.
+of its own: compacting thousands of small tensors writes a few files. As a save's base, it stores
+the row hashes of its large tables (see :mod:`deltackpt.format.hash_files`), those of each table
+whose every unit one rank wrote. Under several ranks the units are dealt round-robin and the
+coordinator commits once.
 
 Call order (every rank): ``compact(...)``; phases ``compact_plan`` (coordinator),
 ``compact_write`` (all), ``compact_commit`` (coordinator).
@@ -31,6 +33,7 @@ from ..collectives import Collective
 from ..errors import StepNotFoundError, StoreError
 from ..format import dtypes
 from ..format.encodings import FULL, in_pack, write_block
+from ..format.hash_files import HASHED_ROW_BYTES, digest, encode_hashes
 from ..format.layout import STEPS, chunk_path, pack_name
 from ..format.lossy import Lossy
 from ..format.manifest import (
@@ -41,11 +44,13 @@ from ..format.manifest import (
     PartRecord,
     TensorRecord,
 )
+from ..format.record_io import hashes_key
 from ..io.reader import ChainReader
 from ..io.staging import StagingPool
 from ..io.writer import StepWriter
 from ..sharding import Box
 from ..store import Store
+from ..tracking.references import SMALL_TENSOR_BYTES
 
 
 @dataclass(frozen=True)
@@ -121,8 +126,13 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
         return CompactInfo(step, False, 1, 0, time.perf_counter() - t0)
     m = work.chain[-1]
 
-    def write() -> tuple[dict[tuple[str, str], ChunkMap], dict[str, ChunkMap]]:
+    def write() -> tuple[dict[tuple[str, str], ChunkMap], dict[str, ChunkMap], tuple[int, str] | None, list[str]]:
         mine = [unit for i, unit in enumerate(work.units) if i % coll.size == coll.rank]
+        # The row hashes of each large table whose every chunk this rank writes (every table,
+        # on one rank), as a base a save writes stores them: a restore then takes them.
+        others = {key for i, (key, *_) in enumerate(work.units) if i % coll.size != coll.rank}
+        hashes = {key: torch.empty(m.tensors[key].shape[0], dtype=torch.int64) for key, *_ in mine
+                  if key not in others and coll.rank < m.world_size and _hashed(m.tensors[key])}
         reader = ChainReader(store.storage, work.chain, pool, executor, {key for key, _, _, _ in mine})
         writer = StepWriter(store.storage, f"{STEPS}/{work.attempt}", pool, executor,
                             pack=pack_name(coll.rank))
@@ -139,14 +149,22 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
                 reader.read(key, block, box)
                 cs = _chunks(rec, sizes)
                 write_block(writer, key, "", block, cs, first_chunk=lo // cs[0] if cs else 0,
-                            release=partial(blocks.release, buf), packed=packed)
+                            release=partial(blocks.release, buf), packed=packed,
+                            hash_into=hashes[key][lo : lo + n] if key in hashes else None)
         except BaseException:  # a damaged chain: end the writes started, the pack's among them
             writer.abandon()
             raise
+        written, stored = writer.written, None
         try:
-            return writer.finish(), writer.packs
+            chunks = writer.finish()
+            if hashes:  # once the writes that fill them have ended
+                index = {key: i for i, key in enumerate(m.tensors)}
+                pieces = encode_hashes([(index[key], -1, h) for key, h in hashes.items()])
+                store.storage.write(hashes_key(work.attempt, coll.rank), pieces)
+                written, stored = [*written, hashes_key(work.attempt, coll.rank)], digest(pieces)
+            return chunks, writer.packs, stored, list(hashes)
         finally:
-            store.storage.sync(writer.written)
+            store.storage.sync(written)
 
     results = coll.all("compact_write", write)
 
@@ -154,18 +172,21 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
         files: dict[tuple[str, str], ChunkMap] = {}
         packs: dict[str, ChunkMap] = {}
         in_packs: dict[str, int] = {}  # the rank whose pack holds each packed tensor
+        hashes = {r: res[2] for r, res in enumerate(results) if res[2] is not None}
+        hashed = {key: r for r, res in enumerate(results) for key in res[3]}  # by the rank whose file lists it
         for rank, per_rank in [(None, work.docs), *((r, res[0]) for r, res in enumerate(results))]:
             for where, chunks in per_rank.items():
                 files.setdefault(where, {}).update(chunks)
                 if rank is not None and any(len(e) == 3 for e in chunks.values()):
                     in_packs[where[0]] = rank
-        for _, rank_packs in results:
-            packs.update(rank_packs)
+        for res in results:
+            packs.update(res[1])
         tensors = {}
         for key, rec in m.tensors.items():
             part = PartRecord((0,) * len(rec.shape), rec.shape, "", _chunks(rec, sizes),
                               rec.shape[0] if rec.shape else 1, files.get((key, ""), {}),
-                              None if key not in in_packs else pack_name(in_packs[key]), in_packs.get(key, 0))
+                              None if key not in in_packs else pack_name(in_packs[key]),
+                              in_packs.get(key, hashed.get(key, 0)))
             # A chain with quantized rows decodes to a base with their loss: marked, never exact.
             lossy = None if rec.lossy is None else Lossy(None, rec.lossy.chain_bound, rec.lossy.chain_bound)
             tensors[key] = TensorRecord(rec.dtype, rec.shape, FULL, (part,), lossy)
@@ -177,9 +198,9 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
             tree=m.tree, tensors=tensors, packs=packs,
             # Files only: a packed chunk's bytes are counted in its pack's files.
             bytes_written=sum(e[0] for chunks in [*files.values(), *packs.values()]
-                              for e in chunks.values() if len(e) == 2),
+                              for e in chunks.values() if len(e) == 2) + sum(e[0] for e in hashes.values()),
             state_bytes=m.state_bytes, compacts=m.attempt, quantize=m.quantize,
-            format=LOSSY_FORMAT if m.format == LOSSY_FORMAT or m.lossy else FORMAT,
+            format=LOSSY_FORMAT if m.format == LOSSY_FORMAT or m.lossy else FORMAT, hashes=hashes,
         )
         store.storage.point("compact_commit", "")
         _check_files(store, base)
@@ -198,6 +219,7 @@ def _check_files(store: Store, base: Manifest) -> None:
              for part in rec.parts for name, entry in part.chunks.items() if len(entry) == 2]
     paths += [f"{STEPS}/{base.attempt}/{pack}/{name}" for pack, files in base.packs.items()
               for name in files]
+    paths += [hashes_key(base.attempt, rank) for rank in base.hashes]
     wanted: dict[str, set[str]] = {}
     for path in paths:
         folder, _, name = path.rpartition("/")
@@ -218,3 +240,9 @@ def _itemsize(rec: TensorRecord) -> int:
 def _chunks(rec: TensorRecord, sizes: tuple[int, int]) -> tuple[int, ...]:
     return FULL.chunk_shape(rec.shape, _itemsize(rec), 0, sizes, None)
 
+
+def _hashed(rec: TensorRecord) -> bool:
+    """Whether a base stores the row hashes of ``rec`` (see :mod:`deltackpt.format.hash_files`):
+    two or more dimensions, more than ``SMALL_TENSOR_BYTES``, rows of ``HASHED_ROW_BYTES`` or more."""
+    rows, nbytes = (rec.shape[0] if rec.shape else 0), math.prod(rec.shape) * _itemsize(rec)
+    return len(rec.shape) >= 2 and nbytes > SMALL_TENSOR_BYTES and nbytes // rows >= HASHED_ROW_BYTES

@@ -7,6 +7,7 @@ stored hashes that are wrong make the next delta write those rows again."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -295,7 +296,7 @@ def test_stored_hashes_of_another_number_of_rows_are_refused(tmp_path):
 
 
 def test_a_base_without_stored_hashes_restores_by_hashing_its_rows(tmp_path):
-    """As a base written before row hashes existed (or made by compaction) is read."""
+    """As a base written before row hashes existed is read."""
     state = saved_wide_base(tmp_path)
     doc = read_record(tmp_path, 0)
     del doc["hashes"]
@@ -307,6 +308,76 @@ def test_a_base_without_stored_hashes_restores_by_hashing_its_rows(tmp_path):
         got["wide"][[0, 5]] += 1.0
         ckpt.save(1, got)
         assert changed_rows(ckpt, 1) == {"wide": [0, 5]}
+
+
+def compacted_stored(ckpt: Checkpointer, step: int, key: str) -> torch.Tensor | None:
+    """The row hashes that the base compaction made for ``step`` stored for ``key``."""
+    m = ckpt.store.compacted(step)
+    assert m is not None
+    with ThreadPoolExecutor(1) as executor:
+        reader = ChainReader(ckpt.store.storage, [m], StagingPool(4, 1 << 16, pin=False), executor)
+        return reader.stored_hashes(m, key, m.tensors[key].parts[0])
+
+
+def test_a_compacted_base_stores_row_hashes_that_a_restore_takes(tmp_path, monkeypatch):
+    """Compaction on one rank writes every chunk of a table: it stores the hash of every row,
+    as a base a save writes does, and a restore of the step takes them instead of hashing."""
+    g = torch.Generator().manual_seed(5)
+    state = wide_state(g)
+    with Checkpointer(str(tmp_path), policy=NeverBase(), chunk_bytes=16384) as ckpt:
+        for step in range(3):
+            state["wide"][[step, 900 + step]] += 1.0
+            ckpt.save(step, state)
+        info = ckpt.compact(2)
+        assert info.done and info.chain_length == 3
+        assert torch.equal(compacted_stored(ckpt, 2, "wide"), kernels.hash_rows(state["wide"]))
+        assert {k: compacted_stored(ckpt, 2, k) is None for k in state} == {k: k != "wide" for k in state}
+        assert ckpt.verify(2).ok
+    hashed: list[int] = []
+    real = RowHashes.took
+    monkeypatch.setattr(RowHashes, "took", lambda self, rows, data: (hashed.append(data.shape[0]),
+                                                                     real(self, rows, data))[1])
+    with Checkpointer(str(tmp_path), policy=NeverBase(), chunk_bytes=16384) as ckpt:
+        got = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert ckpt.restore(got, 2) == 2
+        assert all(same_bits(got[k], state[k]) for k in state)
+        assert sum(hashed) == 0  # the compacted base's 1,200 rows came stored
+        got["wide"][[3, 1100]] -= 1.0
+        assert ckpt.save(3, got).kind == "delta"
+        assert changed_rows(ckpt, 3) == {"wide": [3, 1100]}
+
+
+def compact_job(rank: int, world: int, root: str) -> tuple[int, list[int], bool]:
+    """Two ranks compact a chain of one rank's: "wide" (two chunks of 256 KiB) is written by
+    both, "mid" (one chunk) by rank 0, whose file alone stores row hashes (those of "mid"; a
+    rank past those that saved the step stores none)."""
+    g = torch.Generator().manual_seed(3)
+    state = {"wide": torch.randn(1024, HASHED_ROW_BYTES // 4, generator=g),
+             "mid": torch.randn(300, HASHED_ROW_BYTES // 4, generator=g)}
+    alone = dist.new_group([0])
+    with contextlib.ExitStack() as stack:
+        if rank == 0:
+            ckpt = stack.enter_context(Checkpointer(root, policy=NeverBase(), chunk_bytes=1 << 18,
+                                                    process_group=alone))
+        for step in range(2):
+            state["wide"][step] += 1.0
+            state["mid"][step] += 1.0
+            if rank == 0:
+                ckpt.save(step, state)
+    dist.barrier()
+    with Checkpointer(root, policy=NeverBase(), chunk_bytes=1 << 18) as ckpt:
+        assert ckpt.compact(1).done
+        m = ckpt.store.compacted(1)
+        assert compacted_stored(ckpt, 1, "wide") is None
+        mid = compacted_stored(ckpt, 1, "mid")
+        assert mid is not None and torch.equal(mid, kernels.hash_rows(state["mid"]))
+        got = ckpt.load(1)
+        return m.tensors["mid"].parts[0].rank, sorted(m.hashes), all(same_bits(got[k], state[k]) for k in state)
+
+
+def test_a_compaction_on_two_ranks_stores_the_hashes_of_the_tables_one_rank_wrote_whole(tmp_path):
+    results = check_ok(run_ranks(compact_job, 2, str(tmp_path), str(tmp_path / "store")))
+    assert results == [(0, [0], True)] * 2
 
 
 # -- on several ranks ---------------------------------------------------------------------------

@@ -115,9 +115,10 @@ class ChunkSink(Protocol):
         """Queues chunk ``name`` of a part: ``data`` then ``pad`` zero bytes, coded as an array of
         ``dtype`` is unless ``uncoded``; ``release`` runs once it is written, and until then
         ``data`` must not change (without ``release``, a packed chunk is copied before this
-        returns, unless ``kept``: ``data`` does not change until the save ends). With ``hash_into``, the hash of each of ``data``'s rows goes there, on an I/O
-        thread (a large file's beside its write, see :mod:`deltackpt.io.files`). ``packed``: into the writer's pack, or a file of its own (None:
-        into the pack if the writer has one)."""
+        returns, unless ``kept``: ``data`` does not change until the save ends). With
+        ``hash_into``, the hash of each of ``data``'s rows goes there, on an I/O thread (a large
+        file's beside its write, see :mod:`deltackpt.io.files`). ``packed``: into the writer's
+        pack, or a file of its own (None: into the pack if the writer has one)."""
 
     def put_packed(self, chunks: Sequence[tuple[str, str, str, torch.Tensor, int]]) -> None:
         """Appends each ``(key, path, name, data, pad)`` chunk, ``data`` a contiguous CPU tensor
