@@ -33,7 +33,7 @@ from ..collectives import Collective
 from ..errors import StepNotFoundError, StoreError
 from ..format import dtypes
 from ..format.encodings import FULL, in_pack, write_block
-from ..format.hash_files import HASHED_ROW_BYTES, digest, encode_hashes
+from ..format.hash_files import digest, encode_hashes
 from ..format.layout import STEPS, chunk_path, pack_name
 from ..format.lossy import Lossy
 from ..format.manifest import (
@@ -50,7 +50,7 @@ from ..io.staging import StagingPool
 from ..io.writer import StepWriter
 from ..sharding import Box
 from ..store import Store
-from ..tracking.references import SMALL_TENSOR_BYTES
+from ..tracking.references import stores_row_hashes
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,8 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
         # on one rank), as a base a save writes stores them: a restore then takes them.
         others = {key for i, (key, *_) in enumerate(work.units) if i % coll.size != coll.rank}
         hashes = {key: torch.empty(m.tensors[key].shape[0], dtype=torch.int64) for key, *_ in mine
-                  if key not in others and coll.rank < m.world_size and _hashed(m.tensors[key])}
+                  if key not in others and coll.rank < m.world_size
+                  and stores_row_hashes(m.tensors[key].shape, _itemsize(m.tensors[key]))}
         reader = ChainReader(store.storage, work.chain, pool, executor, {key for key, _, _, _ in mine})
         writer = StepWriter(store.storage, f"{STEPS}/{work.attempt}", pool, executor,
                             pack=pack_name(coll.rank))
@@ -240,9 +241,3 @@ def _itemsize(rec: TensorRecord) -> int:
 def _chunks(rec: TensorRecord, sizes: tuple[int, int]) -> tuple[int, ...]:
     return FULL.chunk_shape(rec.shape, _itemsize(rec), 0, sizes, None)
 
-
-def _hashed(rec: TensorRecord) -> bool:
-    """Whether a base stores the row hashes of ``rec`` (see :mod:`deltackpt.format.hash_files`):
-    two or more dimensions, more than ``SMALL_TENSOR_BYTES``, rows of ``HASHED_ROW_BYTES`` or more."""
-    rows, nbytes = (rec.shape[0] if rec.shape else 0), math.prod(rec.shape) * _itemsize(rec)
-    return len(rec.shape) >= 2 and nbytes > SMALL_TENSOR_BYTES and nbytes // rows >= HASHED_ROW_BYTES

@@ -24,7 +24,7 @@ import torch
 
 from ..format import dtypes
 from ..format.encodings import FULL, Array, choose, in_pack
-from ..format.hash_files import HASHED_ROW_BYTES, encode_hashes
+from ..format.hash_files import encode_hashes
 from ..format.layout import STEPS, pack_name, part_folder
 from ..format.manifest import ChunkMap
 from ..format.part_tables import path_column
@@ -33,7 +33,7 @@ from ..io.writer import StepWriter
 from ..quantization import Rowwise
 from ..storage import Storage
 from ..tracking.changes import SMALL_TENSOR_BYTES, TensorChange, is_row_sparse
-from ..tracking.references import is_small
+from ..tracking.references import is_small, stores_row_hashes
 from .planner import GlobalPlan
 from .types import Kind, SavePlan, WriteItem, WriteResult
 
@@ -119,18 +119,17 @@ def stage_part(writer: StepWriter, kind: Kind, item: WriteItem, change: TensorCh
 def row_hash_file(kind: Kind, items: Sequence[WriteItem], index: Sequence[int],
                   staged: Mapping[str, TensorChange]) -> list[memoryview] | None:
     """A base's row hash file of ``items`` (their tensors' places in the root ``index``): the
-    hash of every row of each part of two or more dimensions, not small, whose rows hold at least
-    ``HASHED_ROW_BYTES``, as the change sets ``staged`` hold them once the writes ended (the
-    references of the next delta; see :mod:`deltackpt.format.hash_files`). None for a delta or
-    a rank that wrote no such part."""
+    hash of every row of each part whose rows a base stores the hashes of
+    (:func:`~deltackpt.tracking.references.stores_row_hashes`), as the change sets ``staged``
+    hold them once the writes ended (the references of the next delta; see
+    :mod:`deltackpt.format.hash_files`). None for a delta or a rank that wrote no such part."""
     if kind != Kind.BASE:
         return None
     entries = []
     for it, i in zip(items, index):
         t, hashes = it.tensor, staged[it.key].hashes
-        if (hashes is not None and t.dim() >= 2 and t.nbytes > SMALL_TENSOR_BYTES
-                and t.nbytes // t.shape[0] >= HASHED_ROW_BYTES and hashes.shape == (t.shape[0],)
-                and tuple(t.shape) == it.part.box.shape):
+        if (hashes is not None and stores_row_hashes(tuple(t.shape), t.element_size())
+                and hashes.shape == (t.shape[0],) and tuple(t.shape) == it.part.box.shape):
             entries.append((i, path_column(it.part.path), hashes.cpu().contiguous()))
     return encode_hashes(entries) if entries else None
 

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
+from ..format.hash_files import HASHED_ROW_BYTES
 
 NO_IDS = torch.empty(0, dtype=torch.int64)
 """No row or chunk, or the hashes of none (shared: never written to)."""
@@ -34,6 +37,14 @@ def is_small(t: torch.Tensor) -> bool:
     with the other small ones (see :meth:`~deltackpt.tracking.changes.ChangeTracker.hash_many`)
     and that a base appends to its pack with them."""
     return t.is_cpu and t.is_contiguous() and 0 < t.nbytes <= SMALL_TENSOR_BYTES
+
+
+def stores_row_hashes(shape: tuple[int, ...], itemsize: int) -> bool:
+    """Whether a base stores the hash of every row of a part of ``shape`` (see
+    :mod:`deltackpt.format.hash_files`): two or more dimensions, more than
+    ``SMALL_TENSOR_BYTES`` (the small ones are hashed together), rows of ``HASHED_ROW_BYTES`` or more."""
+    nbytes = math.prod(shape) * itemsize
+    return len(shape) >= 2 and nbytes > SMALL_TENSOR_BYTES and nbytes // shape[0] >= HASHED_ROW_BYTES
 
 
 def joined_piece(t: torch.Tensor, chunk_bytes: int | None) -> int:
