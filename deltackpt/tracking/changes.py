@@ -393,7 +393,7 @@ class ChangeTracker:
         inner = units < whole
         if inner.any():
             grid = flat[: whole * ce].view(whole, ce)
-            out[inner] = self.hasher.rows(kernels.gather_rows(grid, units[inner].to(t.device)))
+            out[inner] = self.hasher.rows_at([(grid, units[inner])])[0]
         if not inner.all():
             out[~inner] = self.hasher.rows(flat[whole * ce :].view(1, -1))
         return out
