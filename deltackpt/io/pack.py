@@ -20,7 +20,7 @@ import torch
 import xxhash
 
 from ..format.zarr_meta import array_doc
-from .staging import StagingPool
+from .staging import SHARED_PART, StagingPool
 
 STREAM_BYTES = 1 << 20  # the pack file is handed to the disk in pieces of this size as it fills
 
@@ -72,7 +72,8 @@ class Pack:
 
 
 class _Stream:
-    """The pack file's bytes: staging buffers filled by the saving thread, written in order by
+    """The pack file's bytes: staging buffers (a quarter of the pool's each, see
+    :data:`~deltackpt.io.staging.SHARED_PART`) filled by the saving thread, written in order by
     an I/O thread, each given back to the pool once written (or once the write has failed)."""
 
     def __init__(self, pool: StagingPool):
@@ -88,7 +89,8 @@ class _Stream:
         """Copies ``src`` after the bytes so far; hands whole pieces to the writer."""
         while src.size:
             if self._buf is None:
-                self._buf = self._pool.acquire(self._pool.nbytes)
+                # A shared buffer's part: a base's small parts take little of the budget beside its tables.
+                self._buf = self._pool.acquire(max(1, self._pool.nbytes // SHARED_PART))
                 self._fill = self._sent = 0
             n = min(src.size, self._buf.numel() - self._fill)
             self._buf.numpy()[self._fill : self._fill + n] = src[:n]

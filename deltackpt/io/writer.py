@@ -97,7 +97,7 @@ class StepWriter:
         self.pool = pool
         self._executor = executor
         self._files = FileWrites(storage, executor, gate, hold=hold)
-        self._room = threading.Semaphore(max(0, min(pool.buffers, pool.touched_bytes() // pool.nbytes) - 2))
+        self._touched = min(pool.buffers, pool.touched_bytes() // pool.nbytes)  # buffers touched already
         # Appends queued on the packer, each holding its staging buffer: at most all but two
         # buffers, so that the pack (filling one) and the caller (gathering one) always get one.
         self._packer = packer if pool.buffers > 2 else None
@@ -344,11 +344,8 @@ class StepWriter:
         def record(size: int, digest: str) -> None:
             chunks[name] = (size, digest)
 
-        if owned and self._files.holding:
-            if self._room.acquire(blocking=False):
-                release = _then(release, self._room.release)
-            else:  # the held files hold the buffers: from now on they are written as they come
-                self._files.start()
+        if owned and self._files.holding and self.pool.taken() > self._touched - 2:
+            self._files.start()  # the held files hold the touched buffers: from now on written as they come
         where = f"{self._folder}/{part_folder(key, path)}/{name}"
         if apart:
             self._files.large(where, parts, record, release, before)

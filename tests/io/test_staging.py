@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import resource
 import threading
+import time
 
 import pytest
 import torch
@@ -124,11 +125,11 @@ def test_a_closed_pool_leaves_its_buffers_to_the_next_until_released():
         first.release(b)
     first.close()  # the third is still in use: not left to another pool
     second = StagingPool(4, 1 << 16)
-    taken = [second.acquire(100) for _ in range(3)]
+    taken = [second.acquire(1 << 15) for _ in range(3)]  # each more than a quarter: a whole buffer
     assert {b.data_ptr() for b in taken[:2]} == {held[0].data_ptr(), held[1].data_ptr()}
     assert taken[2].data_ptr() not in addresses
     first.release(held[2])  # given back to its own pool, which still works
-    assert first.acquire(10).data_ptr() == held[2].data_ptr()
+    assert first.acquire(1 << 15).data_ptr() == held[2].data_ptr()
     for b in taken:
         second.release(b)
     second.close()
@@ -139,7 +140,7 @@ def test_a_closed_pool_leaves_its_buffers_to_the_next_until_released():
 def test_the_reserve_keeps_no_more_buffers_than_the_largest_pool_closed():
     pools = [StagingPool(2, 1 << 16) for _ in range(3)]
     for p in pools:
-        for b in [p.acquire(1) for _ in range(2)]:
+        for b in [p.acquire(1 << 16) for _ in range(2)]:
             p.release(b)
         p.close()
     assert deltackpt.release_staging_memory() == 2 * (1 << 16)
@@ -165,8 +166,57 @@ def test_a_later_checkpointer_stages_into_the_buffers_an_earlier_one_touched(tmp
             ckpt.save(1, state, blocking=False).result()
             assert ckpt.load(1)["t"].equal(state["t"])
             ckpt._pool.warm(6)  # every buffer its budget allows, whatever the save took
+            deadline = time.monotonic() + 10
+            while len(ckpt._pool._buffers) < 6 and time.monotonic() < deadline:
+                time.sleep(0.01)  # the one the save's own warm in the background is making
             return set(ckpt._pool._buffers)
 
     first = first_base(tmp_path / "a")
     assert len(first) == 6
     assert first_base(tmp_path / "b") == first
+
+
+def test_small_requests_are_cut_from_one_shared_buffer_that_goes_back_with_the_last():
+    pool = StagingPool(6, 64 << 10)  # places for every request: a regression fails, never waits
+    cuts = [pool.acquire(n) for n in (5000, 0, 8192, 16 << 10)]  # 8 + 4 + 8 + 16 KiB of it
+    starts = [staging._address(c) for c in cuts]
+    assert pool.taken() == 1 and len(pool._buffers) == 1
+    assert all(s % 4096 == 0 for s in starts) and len(set(starts)) == 4
+    assert [c.numel() for c in cuts] == [5000, 0, 8192, 16 << 10]
+    for c in cuts:
+        c.fill_(7)
+    assert all(int(c.sum()) == 7 * c.numel() for c in cuts)  # no cut overlaps another
+    whole = pool.acquire(40 << 10)  # more than a quarter: a buffer of its own
+    assert pool.taken() == 2
+    for c in cuts[:3]:
+        pool.release(c)
+    assert pool.taken() == 2  # one cut still held keeps its buffer
+    pool.release(cuts[3])
+    pool.release(whole)
+    assert pool.taken() == 0 and pool._free.qsize() == 2
+    again = [pool.acquire(16 << 10) for _ in range(5)]  # the fifth is too many for one: another
+    assert pool.taken() == 2
+    for c in again:
+        pool.release(c)
+    assert pool.taken() == 0 and pool._free.qsize() == 2
+
+
+def test_a_base_of_tables_and_their_small_sums_stages_whole_in_a_budget_of_its_size(tmp_path, monkeypatch):
+    # 4 tables of 1 MiB (a chunk each), their row-wise sums of 16 KiB and a small dense layer:
+    # within 5 buffers of 1 MiB, where a buffer for each sum would make it wait for writes.
+    state = {f"t{i}": torch.randn(2048, 128) for i in range(4)}
+    state.update({f"sum{i}": torch.rand(4096) for i in range(4)})
+    state["dense"] = torch.randn(64, 64)
+    full = []
+    real = StagingPool._take_place
+
+    def take_place(self):
+        full.append(self.taken() == self.buffers)  # every place taken: this one waits
+        real(self)
+
+    monkeypatch.setattr(StagingPool, "_take_place", take_place)
+    with Checkpointer(tmp_path, chunk_bytes=MiB, memory_budget=5 * MiB, threads=1) as ckpt:
+        ckpt.save(1, state, blocking=False).result()
+        assert ckpt.load(1).keys() == state.keys()
+        assert all(ckpt.load(1)[k].equal(v) for k, v in state.items())
+    assert full and not any(full)
