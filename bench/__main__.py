@@ -272,7 +272,7 @@ KEY: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("bench_chains", ("restore after",)),
     ("bench_startup", ("",)),
     ("bench_busy", ("1% delta", "base save")),
-    ("bench_async", ("base background: blocked", "1% delta background: blocked",
+    ("bench_async", ("base background: blocked", "base background, long after the first", "1% delta background: blocked",
                      "1% delta background, long after a base", "1% delta background, every table audited",
                      "first background save", "train step beside")),
     ("bench_small_tensors", ("base save", "one-row delta", "next delta", "load", "restore after 10 deltas")),
