@@ -344,8 +344,8 @@ def main() -> None:
                 note(f"{what} background, pure-Python loop beside: to commit s", handle.result().seconds)
         shutil.rmtree(path)
         path = os.path.join(root, f"r{r}-after")
-        # The save after the timed deltas is the next base.
-        with Checkpointer(path, base_every=2 + DELTAS_TIMED, memory_budget=budget, threads=args.save_threads) as ckpt:
+        base_every = 2 + DELTAS_TIMED  # the save after the timed deltas is the next base
+        with Checkpointer(path, base_every=base_every, memory_budget=budget, threads=args.save_threads) as ckpt:
             ckpt.track(model, prefix="model", optimizer=opt)
             ckpt.save(step + 1, state, blocking=False).result()
             for _ in range(SETTLE_STEPS):
