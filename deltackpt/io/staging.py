@@ -5,8 +5,8 @@ page fault each: 512 MiB copied into a fresh buffer took 0.29-0.42 s on one, int
 0.03 s), and allocating per save would make peak memory grow with the model. The pool holds a
 fixed number of chunk-sized buffers, allocated on first use and reused by every save and restore;
 a caller waits when all are in use, which bounds the memory a save or restore adds. Small requests
-share a buffer (see :data:`SHARED_PART`), so a budget the size of a state stages it whole. Buffers start
-on a 4 KiB boundary, so storage can write them past the page cache (``O_DIRECT``), and large ones
+share a buffer (see :data:`SHARED_PART`), so a budget the size of a state stages it whole. Buffers
+start on a 4 KiB boundary, so storage can write them past the page cache (``O_DIRECT``), and large ones
 are in huge pages where the kernel has them (:func:`aligned_buffer`).
 
 A closed pool's buffers outlive it in the process's reserve, already touched, for the next pool of
@@ -33,10 +33,11 @@ from ..storage.direct import BLOCK
 
 SHARED_PART = 4
 """A request of at most ``1/SHARED_PART`` of the pool's buffer size is cut from a buffer shared with
-other such requests (on a 4 KiB boundary each) rather than taking a whole one: a base of 8 tables of
-256 MiB and their 8 row-wise Adagrad sums of 2 MiB took 72 buffers of 32 MiB for its 65 of bytes,
-and with a budget of the state's size its staging waited for 7 writes (0.08-0.13 s blocked). A
-shared buffer holds one of the pool's places while any request cut from it is held."""
+other such requests (on a 4 KiB boundary each) rather than taking a whole one. A base of 8 tables
+of 256 MiB and their 8 row-wise Adagrad sums of 2 MiB took 72 buffers of 32 MiB, where its bytes
+fill 65: with a budget of the state's size (65 buffers), a background base waited 0.17 s for
+writes of the 0.42-0.45 s it blocked training. A shared buffer holds one of the pool's places
+while any request cut from it is held."""
 
 
 class _Shared:

@@ -201,11 +201,15 @@ def test_small_requests_are_cut_from_one_shared_buffer_that_goes_back_with_the_l
     assert pool.taken() == 0 and pool._free.qsize() == 2
 
 
-def test_a_base_of_tables_and_their_small_sums_stages_whole_in_a_budget_of_its_size(tmp_path, monkeypatch):
-    # 4 tables of 1 MiB (a chunk each), their row-wise sums of 16 KiB and a small dense layer:
-    # within 5 buffers of 1 MiB, where a buffer for each sum would make it wait for writes.
-    state = {f"t{i}": torch.randn(2048, 128) for i in range(4)}
-    state.update({f"sum{i}": torch.rand(4096) for i in range(4)})
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_base_of_tables_and_their_small_sums_stages_whole_in_a_budget_of_its_size(tmp_path, monkeypatch, shared):
+    # 4 tables of 8 MiB (a chunk each), their row-wise sums of 1.5 MiB and a small dense layer (in
+    # the pack): within 5 buffers of 8 MiB when the sums' chunks and the pack's share one; a buffer
+    # each (shared=False, as before they were shared) makes the staging wait for writes.
+    if not shared:
+        monkeypatch.setattr(staging, "SHARED_PART", 1 << 40)  # every request a buffer of its own
+    state = {f"t{i}": torch.randn(2048, 1024) for i in range(4)}
+    state.update({f"sum{i}": torch.rand(3 << 17) for i in range(4)})
     state["dense"] = torch.randn(64, 64)
     full = []
     real = StagingPool._take_place
@@ -215,8 +219,9 @@ def test_a_base_of_tables_and_their_small_sums_stages_whole_in_a_budget_of_its_s
         real(self)
 
     monkeypatch.setattr(StagingPool, "_take_place", take_place)
-    with Checkpointer(tmp_path, chunk_bytes=MiB, memory_budget=5 * MiB, threads=1) as ckpt:
+    with Checkpointer(tmp_path, chunk_bytes=8 * MiB, memory_budget=40 * MiB, threads=1) as ckpt:
         ckpt.save(1, state, blocking=False).result()
-        assert ckpt.load(1).keys() == state.keys()
-        assert all(ckpt.load(1)[k].equal(v) for k, v in state.items())
-    assert full and not any(full)
+        waited = any(full)
+        loaded = ckpt.load(1)
+    assert loaded.keys() == state.keys() and all(loaded[k].equal(v) for k, v in state.items())
+    assert full and waited != shared
