@@ -63,10 +63,10 @@ def restore(state: Mapping[str, Any], step_of: Callable[[], int], *, store: Stor
         live = {k: s.local for k, s in statetree.flatten(state).tensors.items()}
         reader = ChainReader(store.storage, through, pool, executor, planned.covered)
         hashes = fill(planned, last, reader, tracker.hashed_by_reads(live))
-        # Flattened again: loading an optimizer's state replaces its tensors. Hashed as saves hash
-        # them: their values' bytes (a conjugate or negative view's are not its own).
-        tracker.reset({k: s.local.resolve_conj().resolve_neg().contiguous()
-                       for k, s in statetree.flatten(state).tensors.items()}, hashes)
+        if planned.steps:  # flattened again: loading an optimizer's state replaces its tensors
+            live = {k: s.local for k, s in statetree.flatten(state).tensors.items()}
+        # Hashed as saves hash them: their values' bytes (a conjugate or negative view's are not its own).
+        tracker.reset({k: t.resolve_conj().resolve_neg().contiguous() for k, t in live.items()}, hashes)
         return through
 
     read_from: list[list[Manifest]] = []  # this rank's
