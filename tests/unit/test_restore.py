@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import deltackpt.io.reader as reader_module
+import deltackpt.statetree as statetree
 from deltackpt import (
     Checkpointer,
     DtypeMismatchError,
@@ -215,8 +216,6 @@ def test_a_restore_that_fails_part_way_makes_the_next_save_a_base(store_path, mo
 def test_a_restore_flattens_the_state_again_only_where_a_load_replaced_its_tensors(tmp_path, monkeypatch):
     # A flatten of 20,000 tiny tensors took ~0.2 s: a state of tensors alone keeps its tensors
     # through the restore; an optimizer's load replaces them, so that state is flattened again.
-    import deltackpt.statetree as statetree
-
     model, opt = model_and_opt(0)
     train(model, opt, 3)
     plain = {"t": torch.randn(4096, 64), "u": torch.randn(300)}
@@ -241,7 +240,7 @@ def test_a_restore_flattens_the_state_again_only_where_a_load_replaced_its_tenso
             ckpt.restore(state)
             flattened[name] = len(calls)
             info = ckpt.save(2, state)
-        assert info.kind == "delta" and info.rows_changed == 0  # the tracker holds the restored values
+        assert info.kind == "delta" and info.bytes_written == 0  # the tracker holds the restored values
     assert flattened["optimizer"] == flattened["plain"] + 1
     assert all(same_bits(plain[k], v) for k, v in saved["plain"].items())
     assert all(same_bits(model.state_dict()[k], v) for k, v in saved["optimizer"]["model"].items())
