@@ -99,16 +99,17 @@ class StagingPool:
         return self._take()[:nbytes]
 
     def release(self, buf: torch.Tensor) -> None:
+        address = _address(buf)
         with self._lock:
-            shared = self._cuts.pop(_address(buf), None)
+            shared = self._cuts.pop(address, None)
             if shared is not None:
                 shared.held -= 1
                 if shared.held:
                     return
                 if shared is self._shared:
                     self._shared = None
-                buf = shared.buf
-            pooled = self._buffers.get(_address(buf))
+                address = _address(shared.buf)
+            pooled = self._buffers.get(address)
             self._taken -= 1
         if pooled is not None:
             self._free.put(pooled)

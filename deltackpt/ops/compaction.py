@@ -26,6 +26,7 @@ import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import torch
 
@@ -80,6 +81,16 @@ class _Work:
     docs: dict[tuple[str, str], ChunkMap]
 
 
+class _Written(NamedTuple):
+    """What one rank wrote: its chunks, its pack's files, its row hash file (size, checksum) and
+    the tensors it lists."""
+
+    chunks: dict[tuple[str, str], ChunkMap]
+    packs: dict[str, ChunkMap]
+    hashes: tuple[int, str] | None
+    hashed: list[str]
+
+
 def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executor,
             sizes: tuple[int, int], upto: int | None) -> CompactInfo:
     """Commits a base for step ``upto`` (default: the latest) made from its chain."""
@@ -126,7 +137,7 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
         return CompactInfo(step, False, 1, 0, time.perf_counter() - t0)
     m = work.chain[-1]
 
-    def write() -> tuple[dict[tuple[str, str], ChunkMap], dict[str, ChunkMap], tuple[int, str] | None, list[str]]:
+    def write() -> _Written:
         mine = [unit for i, unit in enumerate(work.units) if i % coll.size == coll.rank]
         # The row hashes of each large table whose every chunk this rank writes (every table,
         # on one rank), as a base a save writes stores them: a restore then takes them.
@@ -163,7 +174,7 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
                 pieces = encode_hashes([(index[key], -1, h) for key, h in hashes.items()])
                 store.storage.write(hashes_key(work.attempt, coll.rank), pieces)
                 written, stored = [*written, hashes_key(work.attempt, coll.rank)], digest(pieces)
-            return chunks, writer.packs, stored, list(hashes)
+            return _Written(chunks, writer.packs, stored, list(hashes))
         finally:
             store.storage.sync(written)
 
@@ -173,15 +184,15 @@ def compact(store: Store, coll: Collective, pool: StagingPool, executor: Executo
         files: dict[tuple[str, str], ChunkMap] = {}
         packs: dict[str, ChunkMap] = {}
         in_packs: dict[str, int] = {}  # the rank whose pack holds each packed tensor
-        hashes = {r: res[2] for r, res in enumerate(results) if res[2] is not None}
-        hashed = {key: r for r, res in enumerate(results) for key in res[3]}  # by the rank whose file lists it
-        for rank, per_rank in [(None, work.docs), *((r, res[0]) for r, res in enumerate(results))]:
+        hashes = {r: res.hashes for r, res in enumerate(results) if res.hashes is not None}
+        hashed = {key: r for r, res in enumerate(results) for key in res.hashed}  # by the rank whose file lists it
+        for rank, per_rank in [(None, work.docs), *((r, res.chunks) for r, res in enumerate(results))]:
             for where, chunks in per_rank.items():
                 files.setdefault(where, {}).update(chunks)
                 if rank is not None and any(len(e) == 3 for e in chunks.values()):
                     in_packs[where[0]] = rank
         for res in results:
-            packs.update(res[1])
+            packs.update(res.packs)
         tensors = {}
         for key, rec in m.tensors.items():
             part = PartRecord((0,) * len(rec.shape), rec.shape, "", _chunks(rec, sizes),
