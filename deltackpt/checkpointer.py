@@ -35,7 +35,7 @@ from .collectives import Collective
 from .errors import SettingError, StepNotFoundError, StoreError
 from .format.layout import as_step
 from .io.staging import StagingPool
-from .io.threads import Lane, run_ahead, started_pool
+from .io.threads import Lane, cores_beside_training, run_ahead, started_pool
 from .ops.compaction import CompactInfo, compact
 from .ops.gc import GCReport, Retention, collect
 from .ops.lease import DEFAULT_TTL
@@ -76,7 +76,9 @@ class Checkpointer:
         io_threads: parallel reads and writes per rank, at most ``threads``.
         threads: the most threads a save or restore works on besides the calling one (its I/O
             and its hashing share them); default ``torch.get_num_threads()``, so a save on a
-            busy node competes with training no more than torch itself does.
+            busy node competes with training no more than torch itself does. Once a
+            non-blocking save returns, its writes take only the cores training leaves: the CPUs
+            less ``torch.get_num_threads()``, at least one.
         create: create the store if absent; if False, a missing store raises StoreError.
         take_over: take the writer lease found now at the first save, even if its holder looks
             alive or it is unreadable; a dead holder's is taken anyway (:mod:`deltackpt.ops.lease`).
@@ -142,7 +144,8 @@ class Checkpointer:
         self._tracker = ChangeTracker(dense_chunk_bytes, Hasher(self._executor, workers), aligned)
         self._saver = Saver(self.store, self._coll, self.policy, self._tracker, self._pool, self._executor,
                             Lane(self._executor) if workers > 1 else None, self._sizes,  # a lone one writes the pack
-                            self._quantize, take_over=take_over, lease_ttl=lease_ttl)
+                            self._quantize, take_over=take_over, lease_ttl=lease_ttl,
+                            background=cores_beside_training(workers, torch.get_num_threads()))
         self._background = Background()
         self._turn = Turn()  # one save, restore or close at a time, whatever the thread
         warm_kernels()

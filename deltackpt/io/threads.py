@@ -147,6 +147,19 @@ _LOADAVG = "/proc/loadavg"
 _loadavg: list[int] = []  # its descriptor, opened at the first call (none where it is missing)
 
 
+def cores_beside_training(workers: int, training: int) -> int:
+    """How many of ``workers`` I/O threads a non-blocking save's writes may keep busy once it has
+    returned: the CPUs this process may run on less the ``training`` threads beside them, at
+    least one.
+
+    Example:
+        >>> 1 <= cores_beside_training(2, 1) <= 2
+        True
+    """
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(workers, cpus - training))
+
+
 def idle_cores() -> int | None:
     """How many of the CPUs this process may run on no other process's task needs now, less one
     for this thread (less than zero when other processes' tasks wait for a core): from the

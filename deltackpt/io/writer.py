@@ -87,16 +87,20 @@ class StepWriter:
             page at a time, slowly enough on a VM that the writes had better start beside it (a
             2.15 GB base's call to commit took 1.6x its blocking save held into fresh buffers,
             0.9x not).
+        workers: the most I/O threads that write its files at once once every chunk is staged
+            (None: every one free; a non-blocking save's, the cores its training leaves, see
+            :func:`~deltackpt.io.threads.cores_beside_training`).
     """
 
     def __init__(self, storage: Storage, folder: str, pool: StagingPool, executor: Executor,
                  pack: str | None = None, packer: Executor | None = None, defer: bool = False,
-                 gate: Future[None] | None = None, hold: bool = False):
+                 gate: Future[None] | None = None, hold: bool = False, workers: int | None = None):
         self._storage = storage
         self._folder = folder
         self.pool = pool
         self._executor = executor
         self._files = FileWrites(storage, executor, gate, hold=hold)
+        self._workers = workers
         self._touched = min(pool.buffers, pool.touched_bytes() // pool.nbytes)  # buffers touched already
         # Appends queued on the packer, each holding its staging buffer: at most all but two
         # buffers, so that the pack (filling one) and the caller (gathering one) always get one.
@@ -180,7 +184,14 @@ class StepWriter:
 
     def staged(self) -> None:
         """The caller has staged every chunk: the large ones held back go to the pack thread,
-        the files held back to the I/O threads."""
+        the files held back to the I/O threads (at most ``workers`` of them from now on)."""
+        if self._workers is not None:
+            self._files.bound(self._workers)
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """The large chunks held back go to the pack thread, the files held back to the I/O
+        threads."""
         held, self._held = self._held, []
         for job, _ in held:
             assert self._packer is not None  # only a writer with a packer holds chunks back
@@ -323,7 +334,7 @@ class StepWriter:
 
             if owned and large and self._packer is not None:
                 if not self._ahead.acquire(blocking=False):
-                    self.staged()  # the held chunks hold the buffers, and only the packer frees them
+                    self._let_go()  # the held chunks hold the buffers, and only the packer frees them
                     error = self._run_deferred()  # they hold buffers only this thread gives back
                     if error is not None:
                         release()

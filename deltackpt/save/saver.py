@@ -60,17 +60,20 @@ class Saver:
         quantize: the lossy-delta rules and the restores made.
         take_over: take the lease found now even if its holder looks alive or it is unreadable.
         lease_ttl: seconds without a renewal after which this writer's lease is free.
+        background: the most I/O threads that write a non-blocking save's files at once.
     """
 
     def __init__(self, store: Store, coll: Collective, policy: BasePolicy, tracker: ChangeTracker,
                  pool: StagingPool, executor: Executor, packer: Executor | None,
-                 sizes: tuple[int, int], quantize: QuantizePlan, *, take_over: bool, lease_ttl: float):
+                 sizes: tuple[int, int], quantize: QuantizePlan, *, take_over: bool, lease_ttl: float,
+                 background: int):
         self.store = store
         self._coll = coll
         self.policy = policy
         self._tracker = tracker
         self._pool = pool
         self._executor = executor
+        self._background = background
         self._sizes = sizes
         self._quantize = quantize
         self._head: Manifest | None = None  # the step the next delta applies to
@@ -130,7 +133,7 @@ class Saver:
             raise
         plan = self._planner.plan if coordinator else None  # only the coordinator holds it
         writers = [open_writer(storage, save, self._coll.rank, self._pool, self._executor, self._packer,
-                               blocking=blocking, gate=gate)]
+                               blocking=blocking, gate=gate, background=self._background)]
         if coordinator:
             writers.append(StepWriter(storage, f"{STEPS}/{save.attempt}", self._pool, self._executor,
                                       gate=gate))

@@ -136,12 +136,14 @@ def row_hash_file(kind: Kind, items: Sequence[WriteItem], index: Sequence[int],
 
 def open_writer(storage: Storage, save: SavePlan, rank: int, pool: StagingPool,
                 executor: Executor, packer: Executor | None = None, *, blocking: bool = True,
-                gate: Future[None] | None = None) -> StepWriter:
+                gate: Future[None] | None = None, background: int | None = None) -> StepWriter:
     """The writer of ``rank``'s chunks of the step, with its pack (appended by ``packer``, and
-    without ``blocking`` its small chunks by the background, its files held until staging ends;
-    its files written once ``gate`` is done, see :class:`~deltackpt.io.writer.StepWriter`)."""
+    without ``blocking`` its small chunks by the background, its files held until staging ends
+    and written by at most ``background`` I/O threads; its files written once ``gate`` is done,
+    see :class:`~deltackpt.io.writer.StepWriter`)."""
     return StepWriter(storage, f"{STEPS}/{save.attempt}", pool, executor, pack=pack_name(rank),
-                      packer=packer, defer=not blocking, gate=gate, hold=not blocking)
+                      packer=packer, defer=not blocking, gate=gate, hold=not blocking,
+                      workers=None if blocking else background)
 
 
 def stage(writers: list[StepWriter], save: SavePlan, items: tuple[WriteItem, ...],

@@ -1,10 +1,12 @@
 """A non-blocking save's writer (``hold``) writes a base's chunk files only once the caller has
 staged every chunk, its copies shared with the idle cores' I/O threads meanwhile; while its
-held files would leave fewer than two touched staging buffers, it writes them as they come."""
+held files would leave fewer than two touched staging buffers, it writes them as they come.
+Once staged, at most ``workers`` I/O threads write them."""
 
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 from deltackpt import Checkpointer, EveryK, MemoryStorage
 from deltackpt.format.encodings import FULL
 from deltackpt.io import writer
+from deltackpt.io.files import FileWrites
 from deltackpt.io.staging import StagingPool
 from deltackpt.io.threads import run_ahead
 from deltackpt.io.writer import StepWriter
@@ -92,6 +95,56 @@ def test_held_files_are_written_once_staged(hold):
         assert got == t.numpy().tobytes()
         assert sorted(files[(f"t{i}", "")]) == [f"c.{c}.0" for c in range(4)]
     assert all(pool._slots.acquire(timeout=5) for _ in range(16))  # every buffer came back
+
+
+class SlowStorage(CountingStorage):
+    """Counts the files written at once, the most in :attr:`most`, and at each write's start in
+    :attr:`starts` (with its time): each write takes 50 ms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = self.most = 0
+        self.starts: list[tuple[float, int]] = []
+        self._lock = threading.Lock()
+
+    def write(self, key, parts):
+        with self._lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+            self.starts.append((time.monotonic(), self.now))
+        time.sleep(0.05)
+        with self._lock:
+            self.now -= 1
+        super().write(key, parts)
+
+
+@pytest.mark.parametrize("workers", [1, 2, None])
+def test_staged_files_are_written_by_at_most_workers_io_threads(workers):
+    storage, pool = SlowStorage(), touched_pool(16)
+    tables = [torch.randn(ROWS, COLS) for _ in range(3)]
+    with ThreadPoolExecutor(4) as ex:
+        w = StepWriter(storage, "steps/1-a", pool, ex, hold=True, workers=workers)
+        stage(w, tables)
+        w.staged()
+        w.finish(helping=False)
+    assert storage.chunks == 12 and storage.most == (workers or 4)
+    for i, t in enumerate(tables):
+        assert b"".join(storage.read(f"steps/1-a/t{i}/c.{c}.0") for c in range(4)) == t.numpy().tobytes()
+
+
+def test_io_threads_beyond_a_lowered_bound_stop_after_their_job():
+    storage = SlowStorage()
+    with ThreadPoolExecutor(4) as ex:
+        files = FileWrites(storage, ex)
+        for i in range(12):
+            files.file(f"f/c.{i}", lambda: [memoryview(b"x")], None)
+        while not storage.starts:  # some already write
+            time.sleep(0.001)
+        bounded = time.monotonic()
+        files.bound(1)
+        assert files.finish(helping=False) is None
+    assert storage.chunks == 12
+    assert all(now == 1 for at, now in storage.starts if at > bounded)
 
 
 def test_held_files_are_written_as_they_come_once_two_touched_buffers_are_left():

@@ -12,7 +12,7 @@ import torch
 
 from deltackpt import Checkpointer, SettingError, kernels
 from deltackpt.io import threads as io_threads
-from deltackpt.io.threads import idle_cores, run_shared
+from deltackpt.io.threads import cores_beside_training, idle_cores, run_shared
 from deltackpt.tracking import hashing
 from deltackpt.tracking.hashing import Hasher
 
@@ -104,6 +104,12 @@ class CountingPool(ThreadPoolExecutor):
     def submit(self, *args, **kwargs):
         self.submitted += 1
         return super().submit(*args, **kwargs)
+
+
+@pytest.mark.parametrize("cpus, training, workers, want", [(8, 1, 4, 4), (8, 6, 4, 2), (8, 8, 4, 1), (2, 1, 2, 1)])
+def test_a_background_save_writes_on_the_cores_training_leaves(monkeypatch, cpus, training, workers, want):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    assert cores_beside_training(workers, training) == want
 
 
 def test_idle_cores_counts_this_thread_as_running():
