@@ -72,7 +72,7 @@ class StagingPool:
         self._lock = threading.Lock()
         self._coming = 0  # buffers being warmed, not yet in _buffers
         self._closed = False  # closed: warm() makes no more
-        self._using = 0  # saves using the pool now (see in_use)
+        self._copying = 0  # saves copying into the pool now (see staging)
         self._resumed = threading.Condition(self._lock)  # the last of them has ended, or closed
 
     def zeros(self, nbytes: int) -> memoryview:
@@ -159,7 +159,7 @@ class StagingPool:
         the pool is closed it makes no more, and the one it was making goes to the reserve."""
         while True:
             with self._lock:
-                while self._using and not self._closed:
+                while self._copying and not self._closed:
                     self._resumed.wait()
                 if self._closed or len(self._buffers) + self._coming >= min(buffers, self.buffers):
                     return
@@ -180,24 +180,20 @@ class StagingPool:
                 _RESERVE.give(self.nbytes, self._pin, [buf], self.buffers)
 
     @contextlib.contextmanager
-    def in_use(self) -> Iterator[None]:
-        """While a save copies into the pool or writes from it: :meth:`warm` makes no buffer (it
-        goes on once the last such save has ended). The save takes the touched buffers and makes
-        the others as it copies. A warm beside the copies faulted pages at the same time and held
-        the process's memory map lock: a base staged two training steps after the first (2.2 GB,
-        the warm not done) spent 0.17-0.22 s in the allocations of its row hashes alone, 0.01 s
-        with the warm waiting, and blocked training 0.20-0.93 s (median 0.79 s of 6) against
-        0.34-0.87 s (median 0.55 s). Beside a background save's writes, its faults took the core
-        training had left: the steps beside a 2.2 GB base into partly touched buffers took
-        1.0-2.9x their time alone (mostly 1.5-2x) with the warm running, 1.0-1.25x with it
-        waiting."""
+    def staging(self) -> Iterator[None]:
+        """While a save copies into the pool: :meth:`warm` makes no buffer (it goes on once the
+        last such save has ended). The save takes the touched buffers and makes the others as it
+        copies. A warm beside it faulted pages at the same time and held the process's memory map
+        lock: a base staged two training steps after the first (2.2 GB, the warm not done) spent
+        0.17-0.22 s in the allocations of its row hashes alone, 0.01 s with the warm waiting, and
+        blocked training 0.20-0.93 s (median 0.79 s of 6) against 0.34-0.87 s (median 0.55 s)."""
         with self._lock:
-            self._using += 1
+            self._copying += 1
         try:
             yield
         finally:
             with self._lock:
-                self._using -= 1
+                self._copying -= 1
                 self._resumed.notify_all()
 
     def close(self) -> None:
