@@ -72,7 +72,7 @@ class StagingPool:
         self._lock = threading.Lock()
         self._coming = 0  # buffers being warmed, not yet in _buffers
         self._closed = False  # closed: warm() makes no more
-        self._using = 0  # saves using the pool now (see in_use)
+        self._copying = 0  # saves copying into the pool now (see staging)
         self._resumed = threading.Condition(self._lock)  # the last of them has ended, or closed
 
     def zeros(self, nbytes: int) -> memoryview:
@@ -155,13 +155,12 @@ class StagingPool:
 
     def warm(self, buffers: int) -> None:
         """Makes up to ``buffers`` of the pool's buffers (never more than it may hold) exist with
-        every page touched, so that the copies into them fault no page; from any thread, a
-        ``POPULATE_BYTES`` piece at a time, none while a save uses the pool (:meth:`in_use`):
-        the buffer it was making is the save's as it is. Once the pool is closed it makes no
-        more, and the one it was making goes to the reserve."""
+        every page touched, so that the copies into them fault no page; from any thread. Once
+        the pool is closed it makes no more, and the one it was making goes to the reserve."""
         while True:
             with self._lock:
-                self._wait_idle()
+                while self._copying and not self._closed:
+                    self._resumed.wait()
                 if self._closed or len(self._buffers) + self._coming >= min(buffers, self.buffers):
                     return
                 self._coming += 1
@@ -169,11 +168,7 @@ class StagingPool:
             try:
                 buf = _RESERVE.take(self.nbytes, self._pin)
                 if buf is None:
-                    buf = aligned_buffer(self.nbytes, self._pin)
-                    for lo in range(0, self.nbytes, POPULATE_BYTES):
-                        if self._using and not self._closed:
-                            break
-                        _touch(buf[lo : lo + POPULATE_BYTES])
+                    buf = _touch(aligned_buffer(self.nbytes, self._pin))
             finally:
                 with self._lock:
                     self._coming -= 1
@@ -185,28 +180,21 @@ class StagingPool:
                 _RESERVE.give(self.nbytes, self._pin, [buf], self.buffers)
 
     @contextlib.contextmanager
-    def in_use(self) -> Iterator[None]:
-        """While a save copies into the pool or writes from it: :meth:`warm` touches no page (it
-        goes on once the last such save has ended). The save takes the touched buffers and makes
-        the others as it copies. A warm beside the copies faulted pages at the same time and held
-        the process's memory map lock: a base staged two training steps after the first (2.2 GB,
-        the warm not done) spent 0.17-0.22 s in the allocations of its row hashes alone, 0.01 s
-        with the warm waiting, and blocked training 0.20-0.93 s (median 0.79 s of 6) against
-        0.34-0.87 s (median 0.55 s). Beside a background save's writes, it took the core training
-        had left: FIGURES"""
+    def staging(self) -> Iterator[None]:
+        """While a save copies into the pool: :meth:`warm` makes no buffer (it goes on once the
+        last such save has ended). The save takes the touched buffers and makes the others as it
+        copies. A warm beside it faulted pages at the same time and held the process's memory map
+        lock: a base staged two training steps after the first (2.2 GB, the warm not done) spent
+        0.17-0.22 s in the allocations of its row hashes alone, 0.01 s with the warm waiting, and
+        blocked training 0.20-0.93 s (median 0.79 s of 6) against 0.34-0.87 s (median 0.55 s)."""
         with self._lock:
-            self._using += 1
+            self._copying += 1
         try:
             yield
         finally:
             with self._lock:
-                self._using -= 1
+                self._copying -= 1
                 self._resumed.notify_all()
-
-    def _wait_idle(self) -> None:
-        """Holding the lock: waits while a save uses the pool, unless it is closed."""
-        while self._using and not self._closed:
-            self._resumed.wait()
 
     def close(self) -> None:
         """Gives the pool's free buffers to the process's reserve, for the next pool of their

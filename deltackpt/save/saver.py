@@ -143,7 +143,7 @@ class Saver:
         @paused()
         def stage_here() -> dict[str, TensorChange]:
             try:
-                with self._pool.in_use():
+                with self._pool.staging():
                     staged = stage(writers, save, items, changes, held, self._sizes, plan=plan)
                 if save.kind == Kind.BASE:  # hashed now, as staged: the background may run on after
                     staged = self._tracker.hash_whole(tensors, staged)
@@ -163,6 +163,12 @@ class Saver:
                     w.abandon()
                 raise
             staging = partial(dict, staged)
+            if save.kind == Kind.BASE:
+                # So that the next base stages into touched buffers alone, its writes held until
+                # then (see StepWriter's hold: and two buffers left): touched once, beside this
+                # one's writes.
+                chunks = -(-sum(t.nbytes for t in tensors.values()) // self._pool.nbytes)
+                run_ahead(partial(self._pool.warm, chunks + 2))
         assert self._assignment is not None  # _write_items set it
         table = partial(part_table, save, self._coll.rank, items, self._index, self._shapes, held,
                         sizes=self._sizes, aligned={s.key for s in mine if s.aligned}, reuse=self._reuse)
@@ -225,14 +231,7 @@ class Saver:
 
         def write_here() -> tuple[Written, dict[str, TensorChange]]:
             staged = staging()
-            with self._pool.in_use():
-                if blocked is not None and save.kind == Kind.BASE:
-                    # So that the next base stages into touched buffers alone, its writes held
-                    # until then (see StepWriter's hold: and two buffers left): touched once this
-                    # one's writes have ended, beside the training alone.
-                    chunks = -(-sum(t.nbytes for t in tensors.values()) // self._pool.nbytes)
-                    run_ahead(partial(self._pool.warm, chunks + 2))
-                return write(storage, writers, partial(files, staged), helping=blocked is None), staged
+            return write(storage, writers, partial(files, staged), helping=blocked is None), staged
 
         done, staged = self._coll.gather("write", write_here, record, then_phase="commit")
         self._advance(save.kind, done, tensors, staged)

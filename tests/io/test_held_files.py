@@ -12,10 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-import deltackpt
 from deltackpt import Checkpointer, EveryK, MemoryStorage
 from deltackpt.format.encodings import FULL
-from deltackpt.io import staging, writer
+from deltackpt.io import writer
 from deltackpt.io.files import FileWrites
 from deltackpt.io.staging import StagingPool
 from deltackpt.io.threads import run_ahead
@@ -148,31 +147,6 @@ def test_io_threads_beyond_a_lowered_bound_stop_after_their_job():
     assert all(now == 1 for at, now in storage.starts if at > bounded)
 
 
-def test_a_large_files_write_runs_beside_the_bounds_checks():
-    """A large file's write mostly waits for the disk: it takes no core from training."""
-    storage = SlowStorage()
-    checking = [0, 0]  # now, most
-    overlapped = []
-    lock = threading.Lock()
-
-    def check():
-        with lock:
-            checking[0] += 1
-            checking[1] = max(checking)
-        time.sleep(0.05)
-        with lock:
-            overlapped.append(storage.now)
-            checking[0] -= 1
-
-    with ThreadPoolExecutor(4) as ex:
-        files = FileWrites(storage, ex, hold=True)
-        for i in range(4):
-            files.large(f"f/c.{i}", lambda: [memoryview(b"x")], lambda size, digest: None, lambda: None, check)
-        files.bound(1)
-        assert files.finish(helping=False) is None
-    assert storage.chunks == 4 and checking[1] == 1 and storage.most == 1 and any(overlapped)
-
-
 def test_held_files_are_written_as_they_come_once_two_touched_buffers_are_left():
     storage, pool = CountingStorage(), touched_pool(5)  # room for 3 held files
     with ThreadPoolExecutor(2) as ex:
@@ -243,29 +217,3 @@ def test_a_background_base_into_touched_buffers_writes_after_the_call():
         storage.gate.set()
         assert handle.result().kind == "base" and storage.chunks == files + 4
         assert torch.equal(ckpt.load(1)["t"], t * 2)
-
-
-def test_the_warm_up_waits_while_a_background_save_writes(monkeypatch):
-    """The buffers a base asks to have touched for the next one are made once its writes end:
-    faulting them beside the writes takes the core training has left."""
-    touched = []
-    touch = staging._touch
-    monkeypatch.setattr(staging, "_touch", lambda buf: touched.append(buf.nbytes) or touch(buf))
-    storage = GatedStorage()
-    t = torch.randn(1 << 14, 64)  # 4 MiB: 4 chunks of 1 MiB
-    deltackpt.release_staging_memory()  # so that the warm makes fresh buffers
-    with Checkpointer(storage, policy=EveryK(1), chunk_bytes=1 << 20, memory_budget=16 << 20) as ckpt:
-        built = threading.Event()
-        run_ahead(built.set)  # after the warm of the checkpointer's build
-        assert built.wait(60)
-        made = len(touched)
-        storage.gate.clear()
-        handle = ckpt.save(0, {"t": t}, blocking=False)
-        time.sleep(0.5)
-        assert len(touched) == made  # none beside the writes
-        storage.gate.set()
-        assert handle.result().kind == "base"
-        warmed = threading.Event()
-        run_ahead(warmed.set)  # after the warm the base asked for
-        assert warmed.wait(30) and len(touched) > made
-        assert torch.equal(ckpt.load(0)["t"], t)

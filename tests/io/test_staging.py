@@ -98,7 +98,7 @@ def test_a_pool_closed_while_warming_leaves_the_buffer_being_made_and_makes_no_m
 
 def test_warming_waits_while_a_save_copies_into_the_pool_and_goes_on_after():
     pool = StagingPool(4, 1 << 16)
-    with pool.in_use():
+    with pool.staging():
         warming = threading.Thread(target=pool.warm, args=(3,))
         warming.start()
         warming.join(0.3)
@@ -108,7 +108,7 @@ def test_warming_waits_while_a_save_copies_into_the_pool_and_goes_on_after():
     assert not warming.is_alive()
     assert len(pool._buffers) == 3
     pool.release(taken)
-    with pool.in_use():  # a pool closed while its warm waits: the warm ends, making none
+    with pool.staging():  # a pool closed while its warm waits: the warm ends, making none
         waiting = threading.Thread(target=pool.warm, args=(4,))
         waiting.start()
         pool.close()
