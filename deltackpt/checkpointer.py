@@ -74,11 +74,9 @@ class Checkpointer:
         dense_chunk_bytes: change-detection granularity of dense (0-d, 1-d) tensors.
         memory_budget: bytes of host staging memory a save or restore may add.
         io_threads: parallel reads and writes per rank, at most ``threads``.
-        threads: the most threads a save or restore works on besides the calling one (its I/O
-            and its hashing share them); default ``torch.get_num_threads()``, so a save on a
-            busy node competes with training no more than torch itself does. Once a
-            non-blocking save returns, its writes take only the cores training leaves: the CPUs
-            less ``torch.get_num_threads()``, at least one.
+        threads: the most threads a save or restore works on besides the calling one, its I/O
+            and hashing (once a non-blocking save returns, the cores training leaves: the CPUs
+            less ``torch.get_num_threads()``, at least one); default ``torch.get_num_threads()``.
         create: create the store if absent; if False, a missing store raises StoreError.
         take_over: take the writer lease found now at the first save, even if its holder looks
             alive or it is unreadable; a dead holder's is taken anyway (:mod:`deltackpt.ops.lease`).
