@@ -141,9 +141,8 @@ class Checkpointer:
         self._executor = started_pool(workers, "deltackpt-io")
         self._tracker = ChangeTracker(dense_chunk_bytes, Hasher(self._executor, workers), aligned)
         self._saver = Saver(self.store, self._coll, self.policy, self._tracker, self._pool, self._executor,
-                            Lane(self._executor) if workers > 1 else None, self._sizes,  # a lone one writes the pack
-                            self._quantize, take_over=take_over, lease_ttl=lease_ttl,
-                            background=cores_beside_training(workers, torch.get_num_threads()))
+                            Lane(self._executor) if workers > 1 else None, self._sizes, self._quantize,
+                            take_over=take_over, lease_ttl=lease_ttl, background=cores_beside_training(workers))
         self._background = Background()
         self._turn = Turn()  # one save, restore or close at a time, whatever the thread
         warm_kernels()

@@ -21,6 +21,8 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
+import torch
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -147,19 +149,20 @@ _LOADAVG = "/proc/loadavg"
 _loadavg: list[int] = []  # its descriptor, opened at the first call (none where it is missing)
 
 
-def cores_beside_training(workers: int, training: int) -> int:
+def cores_beside_training(workers: int) -> int:
     """How many of ``workers`` I/O threads a non-blocking save's writes may keep busy once it has
-    returned: the CPUs this process may run on less the ``training`` threads beside them, at
-    least one. On a 2-core VM beside one training thread, one: with two, the steps beside a
-    2.2 GB background base took 1.54x their time alone, with one 0.92x, its call to commit
-    taking 1.2-1.7x the blocking save's instead of 0.9-1.1x (``bench/bench_async.py``).
+    returned: the CPUs this process may run on less torch's threads (the training's), at least
+    one. On a 2-core VM beside one training thread, one: with two, the steps beside a
+    2.2 GB background base took 1.54x their time alone (``bench/bench_async.py``), with one
+    1.0-1.07x; its call to commit took 1.7x the blocking save's while the one thread also wrote
+    the large files, 1.2-1.3x with their writes beside it (they mostly wait for the disk).
 
     Example:
-        >>> 1 <= cores_beside_training(2, 1) <= 2
+        >>> 1 <= cores_beside_training(2) <= 2
         True
     """
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(workers, cpus - training))
+    return max(1, min(workers, cpus - torch.get_num_threads()))
 
 
 def idle_cores() -> int | None:

@@ -109,7 +109,8 @@ class CountingPool(ThreadPoolExecutor):
 @pytest.mark.parametrize("cpus, training, workers, want", [(8, 1, 4, 4), (8, 6, 4, 2), (8, 8, 4, 1), (2, 1, 2, 1)])
 def test_a_background_save_writes_on_the_cores_training_leaves(monkeypatch, cpus, training, workers, want):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
-    assert cores_beside_training(workers, training) == want
+    monkeypatch.setattr(torch, "get_num_threads", lambda: training)
+    assert cores_beside_training(workers) == want
 
 
 def test_idle_cores_counts_this_thread_as_running():
