@@ -11,18 +11,15 @@ file's bytes are being written (the end of a write, an fsync where its bytes wen
 page cache, may overlap the next one's bytes), else a check, which gives back the staging buffer
 the saving thread waits for, else a write, else a small file (a base's zarr metadata: each one's
 fsync waits for the journal, and queued first they kept both I/O threads from the first chunk
-for 30-60 ms on a busy disk). A writer may bound how many I/O threads run its checks and small
-files at once (a non-blocking save's, to the cores its training leaves idle); a large file's
-write, whose thread mostly waits for the disk, runs beside them.
+for 30-60 ms on a busy disk). A writer may bound how many I/O threads run its jobs at once (a
+non-blocking save's, to the cores its training leaves idle).
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
-from typing import ContextManager
 from concurrent.futures import Executor, Future
 
 import xxhash
@@ -67,12 +64,10 @@ class FileWrites:
         hold: the queued files wait for :meth:`start` (a non-blocking save's, until the saving
             thread has staged them all: their writes and hashes would take the cores and the
             memory bandwidth from its copies).
-        busy: entered around each check and small file an I/O thread runs (the staging pool's
-            :meth:`~deltackpt.io.staging.StagingPool.checking`, which its warm-up waits for).
     """
 
     def __init__(self, storage: Storage, executor: Executor, gate: Future[None] | None = None,
-                 *, hold: bool = False, busy: Callable[[], ContextManager[None]] = contextlib.nullcontext):
+                 *, hold: bool = False):
         self._storage = storage
         self._gate = gate
         self._executor = executor
@@ -81,9 +76,8 @@ class FileWrites:
         self._writing = 0  # large files whose bytes are being written
         self._held = 0 if hold else None  # jobs queued while held, no I/O thread asked yet
         self._dropped = False  # abandoned: the queued files are not written
-        self._workers: int | None = None  # the most I/O threads running checks and small files
-        self._busy = 0  # I/O threads running a check or a small file
-        self._busy_context = busy
+        self._workers: int | None = None  # the most I/O threads running the queued jobs (see bound)
+        self._running = 0  # I/O threads asked to run the queued jobs and not done yet
         self._asks: list[Future[None]] = []  # each runs queued jobs until none is left
         self._futures: list[Future[None]] = []  # the files written at once
         self.written: list[str] = []  # every file written, for the directory syncs
@@ -184,11 +178,11 @@ class FileWrites:
         """Asks the I/O threads for the jobs queued while held; queues the next at once."""
         held, self._held = self._held, None
         for _ in range(held or 0):
-            self._asks.append(self._executor.submit(self._run))
+            self._ask()
 
     def bound(self, workers: int) -> None:
-        """From now on at most ``workers`` I/O threads run checks and small files at once, and
-        one more writes large files beside them."""
+        """From now on at most ``workers`` I/O threads run the queued jobs at once (any more
+        stop after the job they run)."""
         with self._lock:
             self._workers = workers
 
@@ -243,10 +237,18 @@ class FileWrites:
         if self._held is not None:
             self._held += 1
         else:
-            self._asks.append(self._executor.submit(self._run))
+            self._ask()
+
+    def _ask(self) -> None:
+        """Asks an I/O thread to run the queued jobs, unless ``workers`` already are."""
+        with self._lock:
+            if self._workers is not None and self._running >= self._workers:
+                return
+            self._running += 1
+        self._asks.append(self._executor.submit(self._run))
 
     def _run(self) -> None:
-        """Runs queued jobs until none it may run is left; raises the first error once they ran."""
+        """Runs queued jobs until none is left; raises the first error once they ran."""
         error = None
         while (job := self._take(asked=True)) is not None:
             try:
@@ -264,32 +266,16 @@ class FileWrites:
 
     def _take(self, *, asked: bool = False) -> Callable[[], None] | None:
         """The next queued job, in the order the module's docstring gives; None if none is left,
-        or for an ``asked`` I/O thread while the bound's are busy, none but a large file's write
-        while no other is written."""
+        or for an ``asked`` I/O thread beyond the bound, which is then done (one more may be asked)."""
         with self._lock:
-            order: tuple[int, ...] = (_HASH, _DISK, _REST) if self._writing else (_DISK, _HASH, _REST)
-            if asked and self._workers is not None and self._busy >= self._workers:
-                order = () if self._writing else (_DISK,)
+            order = (_HASH, _DISK, _REST) if self._writing else (_DISK, _HASH, _REST)
             queue = next((q for q in order if self._queues[q]), None)
-            if queue is None:
+            if queue is None or asked and self._workers is not None and self._running > self._workers:
+                self._running -= asked
                 return None
-            job = self._queues[queue].popleft()
             if queue == _DISK:
                 self._writing += 1
-                return job
-            if not asked:
-                return job
-            self._busy += 1
-
-        def busy() -> None:
-            try:
-                with self._busy_context():
-                    job()
-            finally:
-                with self._lock:
-                    self._busy -= 1
-
-        return busy
+            return self._queues[queue].popleft()
 
     def _wrote(self, writing: list[bool]) -> None:
         """A large file's bytes have all gone to storage, or its write failed (once a file)."""

@@ -73,7 +73,6 @@ class StagingPool:
         self._coming = 0  # buffers being warmed, not yet in _buffers
         self._closed = False  # closed: warm() makes no more
         self._copying = 0  # saves copying into the pool now (see staging)
-        self._checking = 0  # I/O threads hashing what a save staged now (see checking)
         self._resumed = threading.Condition(self._lock)  # the last of them has ended, or closed
 
     def zeros(self, nbytes: int) -> memoryview:
@@ -156,11 +155,8 @@ class StagingPool:
 
     def warm(self, buffers: int) -> None:
         """Makes up to ``buffers`` of the pool's buffers (never more than it may hold) exist with
-        every page touched, so that the copies into them fault no page; from any thread, a
-        ``POPULATE_BYTES`` piece at a time, each once no I/O thread hashes what a save staged
-        (:meth:`checking`). Once the pool is closed it makes no more, and the one it was making
-        goes to the reserve; once a save copies into it (:meth:`staging`), the one it was making
-        is the save's as it is."""
+        every page touched, so that the copies into them fault no page; from any thread. Once
+        the pool is closed it makes no more, and the one it was making goes to the reserve."""
         while True:
             with self._lock:
                 while self._copying and not self._closed:
@@ -172,14 +168,7 @@ class StagingPool:
             try:
                 buf = _RESERVE.take(self.nbytes, self._pin)
                 if buf is None:
-                    buf = aligned_buffer(self.nbytes, self._pin)
-                    for lo in range(0, self.nbytes, POPULATE_BYTES):
-                        with self._lock:
-                            while self._checking and not self._copying and not self._closed:
-                                self._resumed.wait()
-                            if self._copying and not self._closed:
-                                break
-                        _touch(buf[lo : lo + POPULATE_BYTES])
+                    buf = _touch(aligned_buffer(self.nbytes, self._pin))
             finally:
                 with self._lock:
                     self._coming -= 1
@@ -200,28 +189,11 @@ class StagingPool:
         blocked training 0.20-0.93 s (median 0.79 s of 6) against 0.34-0.87 s (median 0.55 s)."""
         with self._lock:
             self._copying += 1
-            self._resumed.notify_all()  # a warm waiting for checks mid-buffer leaves it to the save
         try:
             yield
         finally:
             with self._lock:
                 self._copying -= 1
-                self._resumed.notify_all()
-
-    @contextlib.contextmanager
-    def checking(self) -> Iterator[None]:
-        """While an I/O thread hashes what a save staged (a non-blocking save's writes take the
-        core training leaves, see :func:`~deltackpt.io.threads.cores_beside_training`):
-        :meth:`warm` touches no page. Beside the checks, its faults took that core too: the steps
-        beside a checkpointer's first 2.2 GB base took 1.1-1.6x their time alone, with the warm
-        waiting 1.06-1.15x."""
-        with self._lock:
-            self._checking += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._checking -= 1
                 self._resumed.notify_all()
 
     def close(self) -> None:

@@ -87,9 +87,8 @@ class StepWriter:
             page at a time, slowly enough on a VM that the writes had better start beside it (a
             2.15 GB base's call to commit took 1.6x its blocking save held into fresh buffers,
             0.9x not).
-        workers: once every chunk is staged, the most I/O threads that check its files and
-            write its small ones at once, a large file's write beside them (None: every one free;
-            a non-blocking save's, the cores its training leaves, see
+        workers: the most I/O threads that write its files at once once every chunk is staged
+            (None: every one free; a non-blocking save's, the cores its training leaves, see
             :func:`~deltackpt.io.threads.cores_beside_training`).
     """
 
@@ -100,7 +99,7 @@ class StepWriter:
         self._folder = folder
         self.pool = pool
         self._executor = executor
-        self._files = FileWrites(storage, executor, gate, hold=hold, busy=pool.checking)
+        self._files = FileWrites(storage, executor, gate, hold=hold)
         self._workers = workers
         self._touched = min(pool.buffers, pool.touched_bytes() // pool.nbytes)  # buffers touched already
         # Appends queued on the packer, each holding its staging buffer: at most all but two

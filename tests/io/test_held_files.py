@@ -147,31 +147,6 @@ def test_io_threads_beyond_a_lowered_bound_stop_after_their_job():
     assert all(now == 1 for at, now in storage.starts if at > bounded)
 
 
-def test_a_large_files_write_runs_beside_the_bounds_checks():
-    """A large file's write mostly waits for the disk: it takes no core from training."""
-    storage = SlowStorage()
-    checking = [0, 0]  # now, most
-    overlapped = []
-    lock = threading.Lock()
-
-    def check():
-        with lock:
-            checking[0] += 1
-            checking[1] = max(checking)
-        time.sleep(0.05)
-        with lock:
-            overlapped.append(storage.now)
-            checking[0] -= 1
-
-    with ThreadPoolExecutor(4) as ex:
-        files = FileWrites(storage, ex, hold=True)
-        for i in range(4):
-            files.large(f"f/c.{i}", lambda: [memoryview(b"x")], lambda size, digest: None, lambda: None, check)
-        files.bound(1)
-        assert files.finish(helping=False) is None
-    assert storage.chunks == 4 and checking[1] == 1 and storage.most == 1 and any(overlapped)
-
-
 def test_held_files_are_written_as_they_come_once_two_touched_buffers_are_left():
     storage, pool = CountingStorage(), touched_pool(5)  # room for 3 held files
     with ThreadPoolExecutor(2) as ex:
@@ -242,4 +217,3 @@ def test_a_background_base_into_touched_buffers_writes_after_the_call():
         storage.gate.set()
         assert handle.result().kind == "base" and storage.chunks == files + 4
         assert torch.equal(ckpt.load(1)["t"], t * 2)
-

@@ -117,56 +117,6 @@ def test_warming_waits_while_a_save_copies_into_the_pool_and_goes_on_after():
     assert deltackpt.release_staging_memory() == 3 * (1 << 16)
 
 
-def test_warming_touches_no_page_while_staged_bytes_are_hashed(monkeypatch):
-    monkeypatch.setattr(staging, "POPULATE_BYTES", 1 << 14)  # 4 pieces a buffer
-    pieces = []
-    touch = staging._touch
-    monkeypatch.setattr(staging, "_touch", lambda buf: pieces.append(buf.nbytes) or touch(buf))
-    pool = StagingPool(2, 1 << 16)
-    with pool.checking():
-        warming = threading.Thread(target=pool.warm, args=(2,))
-        warming.start()
-        warming.join(0.3)
-        assert warming.is_alive() and not pieces  # waits for the hashing
-    warming.join(10)
-    assert not warming.is_alive() and pieces == [1 << 14] * 8 and len(pool._buffers) == 2
-    pool.close()
-    deltackpt.release_staging_memory()
-
-
-def test_a_buffer_warming_waits_for_is_the_copying_saves_as_it_is(monkeypatch):
-    monkeypatch.setattr(staging, "POPULATE_BYTES", 1 << 14)
-    pool = StagingPool(2, 1 << 16)
-    touch = staging._touch
-    started = threading.Event()
-
-    def first_piece_then_hashing(buf):
-        if not started.is_set():
-            pool._checking += 1  # an I/O thread starts hashing after the first piece
-            started.set()
-        return touch(buf)
-
-    monkeypatch.setattr(staging, "_touch", first_piece_then_hashing)
-    warming = threading.Thread(target=pool.warm, args=(1,))
-    warming.start()
-    assert started.wait(10)
-    warming.join(0.2)
-    assert warming.is_alive()  # waits mid-buffer
-    with pool.staging():  # a save copies: the buffer is its at once, its pages as they are
-        for _ in range(1000):
-            if pool._buffers:
-                break
-            time.sleep(0.01)
-        assert len(pool._buffers) == 1 and pool._coming == 0
-        taken = pool.acquire(1 << 16)
-        assert len(pool._buffers) == 1  # the warm's
-    warming.join(10)
-    assert not warming.is_alive()
-    pool.release(taken)
-    pool.close()
-    deltackpt.release_staging_memory()
-
-
 def test_a_closed_pool_leaves_its_buffers_to_the_next_until_released():
     first = StagingPool(3, 1 << 16)
     held = [first.acquire(1 << 16) for _ in range(3)]
