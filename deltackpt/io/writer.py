@@ -87,9 +87,9 @@ class StepWriter:
             page at a time, slowly enough on a VM that the writes had better start beside it (a
             2.15 GB base's call to commit took 1.6x its blocking save held into fresh buffers,
             0.9x not).
-        workers: the most I/O threads that write its files at once once every chunk is staged
-            (None: every one free; a non-blocking save's, the cores its training leaves, see
-            :func:`~deltackpt.io.threads.cores_beside_training`).
+        workers: from the end of staging (:meth:`staged`), the most I/O threads that write its
+            files at once (None: every one free; a non-blocking save's, the cores its training
+            leaves, see :func:`~deltackpt.io.threads.cores_beside_training`).
     """
 
     def __init__(self, storage: Storage, folder: str, pool: StagingPool, executor: Executor,
