@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from deltackpt import Checkpointer, EveryK, MemoryStorage
+from deltackpt import Checkpointer, EveryK, MemoryStorage, checkpointer
 from deltackpt.format.encodings import FULL
 from deltackpt.io import writer
 from deltackpt.io.files import FileWrites
@@ -217,3 +217,30 @@ def test_a_background_base_into_touched_buffers_writes_after_the_call():
         storage.gate.set()
         assert handle.result().kind == "base" and storage.chunks == files + 4
         assert torch.equal(ckpt.load(1)["t"], t * 2)
+
+
+class SlowChunks(SlowStorage):
+    """:class:`SlowStorage` for chunk files, the others written at once (and not counted)."""
+
+    def write(self, key, parts):
+        if "/c." in key:
+            super().write(key, parts)
+        else:
+            MemoryStorage.write(self, key, parts)
+
+
+def test_a_background_base_is_written_by_the_cores_training_leaves(monkeypatch):
+    """Checkpointer to writer: the bound reaches a non-blocking save's files, not a blocking one's."""
+    monkeypatch.setattr(checkpointer, "cores_beside_training", lambda workers: 1)
+    storage = SlowChunks()
+    t = torch.randn(1 << 14, 64)  # 4 MiB: 4 chunks of 1 MiB
+    with Checkpointer(storage, policy=EveryK(1), chunk_bytes=1 << 20, memory_budget=16 << 20,
+                      threads=4, io_threads=4) as ckpt:
+        ckpt.save(0, {"t": t})
+        assert storage.most > 1  # the blocking base: every I/O thread
+        warmed = threading.Event()
+        run_ahead(warmed.set)  # after the buffers the first base asked to be touched
+        assert warmed.wait(30)
+        storage.most = 0
+        assert ckpt.save(1, {"t": t * 2}, blocking=False).result().kind == "base"
+        assert storage.most == 1 and torch.equal(ckpt.load(1)["t"], t * 2)
