@@ -9,6 +9,8 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from .. import statetree
 from ..collectives import Collective
 from ..collector import paused
@@ -60,11 +62,11 @@ def restore(state: Mapping[str, Any], step_of: Callable[[], int], *, store: Stor
         (see :meth:`Store.read_chain`), whose last record may lay the tensors out otherwise."""
         last = through[-1]
         planned = plan if last is m else plan_restore(state, last, partial=coll.size > 1)
-        live = {k: s.local for k, s in statetree.flatten(state).tensors.items()}
+        live = _local_tensors(state)
         reader = ChainReader(store.storage, through, pool, executor, planned.covered)
         hashes = fill(planned, last, reader, tracker.hashed_by_reads(live))
         if planned.steps:  # flattened again: loading an optimizer's state replaces its tensors
-            live = {k: s.local for k, s in statetree.flatten(state).tensors.items()}
+            live = _local_tensors(state)
         # Hashed as saves hash them: their values' bytes (a conjugate or negative view's are not its own).
         tracker.reset({k: t.resolve_conj().resolve_neg().contiguous() for k, t in live.items()}, hashes)
         return through
@@ -72,3 +74,8 @@ def restore(state: Mapping[str, Any], step_of: Callable[[], int], *, store: Stor
     read_from: list[list[Manifest]] = []  # this rank's
     coll.all("restore_read", lambda: read_from.append(store.read_chain(chain, read)))
     return read_from[0]
+
+
+def _local_tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """This rank's tensors of ``state``, by flat key."""
+    return {k: s.local for k, s in statetree.flatten(state).tensors.items()}
