@@ -75,8 +75,8 @@ class Checkpointer:
         memory_budget: bytes of host staging memory a save or restore may add.
         io_threads: parallel reads and writes per rank, at most ``threads``.
         threads: the most threads a save or restore works on besides the calling one, its I/O
-            and hashing (once a non-blocking save returns, the cores training leaves: the CPUs
-            less ``torch.get_num_threads()``, at least one); default ``torch.get_num_threads()``.
+            and hashing (from a non-blocking save's return until it is waited for, the cores training
+            leaves: the CPUs less ``torch.get_num_threads()``, at least one); default the latter.
         create: create the store if absent; if False, a missing store raises StoreError.
         take_over: take the writer lease found now at the first save, even if its holder looks
             alive or it is unreadable; a dead holder's is taken anyway (:mod:`deltackpt.ops.lease`).
@@ -209,7 +209,7 @@ class Checkpointer:
             if blocking:
                 return finish(None)
             blocked = time.perf_counter() - t0
-            return self._background.start(step, blocked, partial(finish, blocked))
+            return self._background.start(step, blocked, partial(finish, blocked), self._saver.hurry)
 
     def wait(self) -> SaveInfo | None:
         """Waits for the save in flight, if any, and returns what it wrote.

@@ -12,7 +12,7 @@ page cache, may overlap the next one's bytes), else a check, which gives back th
 the saving thread waits for, else a write, else a small file (a base's zarr metadata: each one's
 fsync waits for the journal, and queued first they kept both I/O threads from the first chunk
 for 30-60 ms on a busy disk). A writer may bound how many I/O threads run its jobs at once (a
-non-blocking save's, to the cores its training leaves idle).
+non-blocking save's, to the cores its training leaves idle, until the caller waits for it).
 """
 
 from __future__ import annotations
@@ -180,11 +180,14 @@ class FileWrites:
         for _ in range(held or 0):
             self._ask()
 
-    def bound(self, workers: int) -> None:
+    def bound(self, workers: int | None) -> None:
         """From now on at most ``workers`` I/O threads run the queued jobs at once (any more
-        stop after the job they run)."""
+        stop after the job they run); None: every one free does, asked now for what is queued."""
         with self._lock:
             self._workers = workers
+            queued = sum(map(len, self._queues)) if workers is None and self._held is None else 0
+        for _ in range(queued):
+            self._ask()
 
     @property
     def holding(self) -> bool:

@@ -87,9 +87,9 @@ class StepWriter:
             page at a time, slowly enough on a VM that the writes had better start beside it (a
             2.15 GB base's call to commit took 1.6x its blocking save held into fresh buffers,
             0.9x not).
-        workers: from the end of staging (:meth:`staged`), the most I/O threads that write its
-            files at once (None: every one free; a non-blocking save's, the cores its training
-            leaves, see :func:`~deltackpt.io.threads.cores_beside_training`).
+        workers: from the end of staging (:meth:`staged`) until :meth:`hurry`, the most I/O
+            threads that write its files at once (None: every one free; a non-blocking save's,
+            the cores its training leaves, see :func:`~deltackpt.io.threads.cores_beside_training`).
     """
 
     def __init__(self, storage: Storage, folder: str, pool: StagingPool, executor: Executor,
@@ -184,10 +184,16 @@ class StepWriter:
 
     def staged(self) -> None:
         """The caller has staged every chunk: the large ones held back go to the pack thread,
-        the files held back to the I/O threads (at most ``workers`` of them from now on)."""
+        the files held back to the I/O threads (at most ``workers`` of them from now on, until
+        :meth:`hurry`)."""
         if self._workers is not None:
             self._files.bound(self._workers)
+            self._workers = None
         self._let_go()
+
+    def hurry(self) -> None:
+        """Someone waits for the writes (after :meth:`staged`): every I/O thread free runs them."""
+        self._files.bound(None)
 
     def _let_go(self) -> None:
         """The large chunks held back go to the pack thread, the files held back to the I/O

@@ -34,10 +34,12 @@ class SaveHandle:
         ('base', [1])
     """
 
-    def __init__(self, step: int, blocked_seconds: float, future: Future[SaveInfo]):
+    def __init__(self, step: int, blocked_seconds: float, future: Future[SaveInfo],
+                 hurry: Callable[[], None]):
         self.step = step
         self.blocked_seconds = blocked_seconds
         self._future = future
+        self._hurry = hurry
         self.reported = False  # whether the caller has seen the outcome
 
     def done(self) -> bool:
@@ -45,12 +47,16 @@ class SaveHandle:
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> SaveInfo:
-        """Waits for the commit and returns what was written.
+        """Waits for the commit and returns what was written. From the first wait on, the save's
+        files are written by every I/O thread free, no longer only by the cores training leaves
+        (see ``Checkpointer``'s ``threads``): the caller's training is not running beside them.
 
         Raises:
             TimeoutError: ``timeout`` seconds passed first (the save goes on).
             DeltackptError: the save failed; nothing was committed.
         """
+        if not self._future.done():
+            self._hurry()
         try:
             info = self._future.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -70,9 +76,11 @@ class Background:
         self._pending: SaveHandle | None = None
         self.closed = False
 
-    def start(self, step: int, blocked_seconds: float, finish: Callable[[], SaveInfo]) -> SaveHandle:
-        """Runs ``finish`` (the write and commit of ``step``) behind the caller."""
-        handle = SaveHandle(step, blocked_seconds, self._thread.submit(finish))
+    def start(self, step: int, blocked_seconds: float, finish: Callable[[], SaveInfo],
+              hurry: Callable[[], None]) -> SaveHandle:
+        """Runs ``finish`` (the write and commit of ``step``) behind the caller; ``hurry`` lifts
+        the bound on its writes, once the caller waits for them."""
+        handle = SaveHandle(step, blocked_seconds, self._thread.submit(finish), hurry)
         self._pending = handle
         return handle
 

@@ -90,6 +90,7 @@ class Saver:
         self._packer = packer
         self._items: tuple[tuple[tuple[str, PartPlan], ...], tuple[WriteItem, ...]] | None = None  # the last save's
         self._scanned: Scanned | None = None  # their last scan
+        self._writing: list[StepWriter] = []  # the writers of a non-blocking save not yet written
 
     @paused()  # per-tensor objects by the thousand, no cycles: collections would walk them all
     def stage(self, step: int, state: Mapping[str, Any], t0: float, *, blocking: bool = True
@@ -163,6 +164,7 @@ class Saver:
                     w.abandon()
                 raise
             staging = partial(dict, staged)
+            self._writing = writers
             if save.kind == Kind.BASE:
                 # So that the next base stages into touched buffers alone, its writes held until
                 # then (see StepWriter's hold: and two buffers left): touched once, beside this
@@ -175,6 +177,12 @@ class Saver:
         hashed = partial(row_hash_file, save.kind, items, self._index)
         record = partial(self._commit, save, aligned)
         return partial(self._write_and_commit, save, table, hashed, record, writers, tensors, staging, gate, t0)
+
+    def hurry(self) -> None:
+        """Someone waits for the non-blocking save in flight: its files are written by every I/O
+        thread free from now on, not only by the cores its training leaves."""
+        for w in self._writing:
+            w.hurry()
 
     def _publish(self, attempt: str) -> Future[None]:
         """Coordinator: starts writing the head and ``attempt`` into the lease on an I/O thread
@@ -233,7 +241,10 @@ class Saver:
             staged = staging()
             return write(storage, writers, partial(files, staged), helping=blocked is None), staged
 
-        done, staged = self._coll.gather("write", write_here, record, then_phase="commit")
+        try:
+            done, staged = self._coll.gather("write", write_here, record, then_phase="commit")
+        finally:
+            self._writing = []
         self._advance(save.kind, done, tensors, staged)
         seconds = time.perf_counter() - t0
         info = SaveInfo(save.step, save.kind, done.bytes_written, done.state_bytes, done.rows_changed,

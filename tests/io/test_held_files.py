@@ -1,7 +1,7 @@
 """A non-blocking save's writer (``hold``) writes a base's chunk files only once the caller has
 staged every chunk, its copies shared with the idle cores' I/O threads meanwhile; while its
 held files would leave fewer than two touched staging buffers, it writes them as they come.
-Once staged, at most ``workers`` I/O threads write them."""
+Once staged, at most ``workers`` I/O threads write them, until the caller waits for them."""
 
 from __future__ import annotations
 
@@ -147,6 +147,23 @@ def test_io_threads_beyond_a_lowered_bound_stop_after_their_job():
     assert all(now == 1 for at, now in storage.starts if at > bounded)
 
 
+def test_a_lifted_bound_asks_every_io_thread_for_the_queued_jobs():
+    storage = SlowStorage()
+    with ThreadPoolExecutor(4) as ex:
+        files = FileWrites(storage, ex)
+        files.bound(1)
+        for i in range(12):
+            files.file(f"f/c.{i}", lambda: [memoryview(b"x")], None)
+        while not storage.starts:
+            time.sleep(0.001)
+        lifted = time.monotonic()
+        files.bound(None)
+        assert files.finish(helping=False) is None
+    assert storage.chunks == 12
+    assert all(now == 1 for at, now in storage.starts if at < lifted)
+    assert max(now for at, now in storage.starts if at > lifted) == 4
+
+
 def test_held_files_are_written_as_they_come_once_two_touched_buffers_are_left():
     storage, pool = CountingStorage(), touched_pool(5)  # room for 3 held files
     with ThreadPoolExecutor(2) as ex:
@@ -242,5 +259,35 @@ def test_a_background_base_is_written_by_the_cores_training_leaves(monkeypatch):
         run_ahead(warmed.set)  # after the buffers the first base asked to be touched
         assert warmed.wait(30)
         storage.most = 0
-        assert ckpt.save(1, {"t": t * 2}, blocking=False).result().kind == "base"
+        handle = ckpt.save(1, {"t": t * 2}, blocking=False)
+        while not handle.done():  # training beside: nobody waits for the save
+            time.sleep(0.001)
+        assert handle.result().kind == "base"
         assert storage.most == 1 and torch.equal(ckpt.load(1)["t"], t * 2)
+
+
+@pytest.mark.parametrize("waits", ["result", "wait", "next save"])
+def test_waiting_for_a_background_base_lifts_the_bound_on_its_writes(monkeypatch, waits):
+    """Once the caller waits for a non-blocking save, every I/O thread writes its files."""
+    monkeypatch.setattr(checkpointer, "cores_beside_training", lambda workers: 1)
+    storage = SlowChunks()
+    t = torch.randn(1 << 14, 64)  # 4 MiB: 4 chunks of 1 MiB
+    with Checkpointer(storage, policy=EveryK(1), chunk_bytes=1 << 20, memory_budget=16 << 20,
+                      threads=4, io_threads=4) as ckpt:
+        ckpt.save(0, {"t": t})
+        warmed = threading.Event()
+        run_ahead(warmed.set)  # after the buffers the first base asked to be touched
+        assert warmed.wait(30)
+        storage.most = 0
+        handle = ckpt.save(1, {"t": t * 2}, blocking=False)
+        if waits == "result":
+            assert handle.result().kind == "base"
+        elif waits == "wait":
+            assert ckpt.wait().kind == "base"
+        else:  # itself bounded, written while nobody waits: only the first's writes may be lifted
+            second = ckpt.save(2, {"t": t * 3}, blocking=False)
+            assert handle.done()
+            while not second.done():
+                time.sleep(0.001)
+            assert ckpt.steps() == [0, 1, 2]
+        assert storage.most > 1 and torch.equal(ckpt.load(1)["t"], t * 2)
