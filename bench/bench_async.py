@@ -17,12 +17,14 @@ delta writes the rows training marked and their sums. The default size is ~2.2 G
               released first, see ``deltackpt.release_staging_memory``), the later one into
               those the first touched
   background  the same with ``blocking=False``: the blocked time (the call), the time to commit
-              (``SaveInfo.seconds``), the host memory the first base added (peak resident memory
-              above the resident memory before the call, ``VmHWM`` after ``clear_refs``)
+              (``SaveInfo.seconds``; waited for at once, so its writes run on every I/O thread,
+              see ``SaveHandle.result``), the host memory the first base added (peak resident
+              memory above the resident memory before the call, ``VmHWM`` after ``clear_refs``)
   beside      a background base and ``DELTAS_BESIDE`` deltas again, with training steps run one
               after another while each finishes behind them: their mean time per save (the
-              training's pace, slow steps and all), and the time to commit (the buffers of the
-              rounds before, left in the reserve: a job's steady state)
+              training's pace, slow steps and all), and the time to commit (its writes on the
+              cores training leaves; the buffers of the rounds before, left in the reserve: a
+              job's steady state)
   bare writer training steps beside a thread that only writes as many bytes as that base (once)
               and the last delta (``DELTAS_BESIDE`` times) wrote (a fresh file, O_DIRECT from
               one aligned buffer, fsync): the least any background writer of those bytes costs
