@@ -5,8 +5,10 @@ Once staged, at most ``workers`` I/O threads write them, until the caller waits 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -246,48 +248,53 @@ class SlowChunks(SlowStorage):
             MemoryStorage.write(self, key, parts)
 
 
-def test_a_background_base_is_written_by_the_cores_training_leaves(monkeypatch):
-    """Checkpointer to writer: the bound reaches a non-blocking save's files, not a blocking one's."""
+T = torch.randn(1 << 14, 64)  # 4 MiB: 4 chunks of 1 MiB
+
+
+@contextlib.contextmanager
+def bounded_to_one(monkeypatch) -> Iterator[tuple[Checkpointer, SlowChunks]]:
+    """A checkpointer of 4 I/O threads whose non-blocking saves' writes are bounded to one, on
+    :class:`SlowChunks`, after a blocking base of ``T`` and the warm of the buffers it asked for."""
     monkeypatch.setattr(checkpointer, "cores_beside_training", lambda workers: 1)
     storage = SlowChunks()
-    t = torch.randn(1 << 14, 64)  # 4 MiB: 4 chunks of 1 MiB
     with Checkpointer(storage, policy=EveryK(1), chunk_bytes=1 << 20, memory_budget=16 << 20,
                       threads=4, io_threads=4) as ckpt:
-        ckpt.save(0, {"t": t})
+        ckpt.save(0, {"t": T})
         assert storage.most > 1  # the blocking base: every I/O thread
         warmed = threading.Event()
         run_ahead(warmed.set)  # after the buffers the first base asked to be touched
         assert warmed.wait(30)
         storage.most = 0
-        handle = ckpt.save(1, {"t": t * 2}, blocking=False)
-        while not handle.done():  # training beside: nobody waits for the save
-            time.sleep(0.001)
+        yield ckpt, storage
+
+
+def until_done(handle) -> None:
+    """Training beside: nobody waits for the save."""
+    while not handle.done():
+        time.sleep(0.001)
+
+
+def test_a_background_base_is_written_by_the_cores_training_leaves(monkeypatch):
+    """Checkpointer to writer: the bound reaches a non-blocking save's files, not a blocking one's."""
+    with bounded_to_one(monkeypatch) as (ckpt, storage):
+        handle = ckpt.save(1, {"t": T * 2}, blocking=False)
+        until_done(handle)
         assert handle.result().kind == "base"
-        assert storage.most == 1 and torch.equal(ckpt.load(1)["t"], t * 2)
+        assert storage.most == 1 and torch.equal(ckpt.load(1)["t"], T * 2)
 
 
 @pytest.mark.parametrize("waits", ["result", "wait", "next save"])
 def test_waiting_for_a_background_base_lifts_the_bound_on_its_writes(monkeypatch, waits):
     """Once the caller waits for a non-blocking save, every I/O thread writes its files."""
-    monkeypatch.setattr(checkpointer, "cores_beside_training", lambda workers: 1)
-    storage = SlowChunks()
-    t = torch.randn(1 << 14, 64)  # 4 MiB: 4 chunks of 1 MiB
-    with Checkpointer(storage, policy=EveryK(1), chunk_bytes=1 << 20, memory_budget=16 << 20,
-                      threads=4, io_threads=4) as ckpt:
-        ckpt.save(0, {"t": t})
-        warmed = threading.Event()
-        run_ahead(warmed.set)  # after the buffers the first base asked to be touched
-        assert warmed.wait(30)
-        storage.most = 0
-        handle = ckpt.save(1, {"t": t * 2}, blocking=False)
+    with bounded_to_one(monkeypatch) as (ckpt, storage):
+        handle = ckpt.save(1, {"t": T * 2}, blocking=False)
         if waits == "result":
             assert handle.result().kind == "base"
         elif waits == "wait":
             assert ckpt.wait().kind == "base"
         else:  # itself bounded, written while nobody waits: only the first's writes may be lifted
-            second = ckpt.save(2, {"t": t * 3}, blocking=False)
+            second = ckpt.save(2, {"t": T * 3}, blocking=False)
             assert handle.done()
-            while not second.done():
-                time.sleep(0.001)
+            until_done(second)
             assert ckpt.steps() == [0, 1, 2]
-        assert storage.most > 1 and torch.equal(ckpt.load(1)["t"], t * 2)
+        assert storage.most > 1 and torch.equal(ckpt.load(1)["t"], T * 2)
