@@ -76,7 +76,7 @@ class Checkpointer:
         io_threads: parallel reads and writes per rank, at most ``threads``.
         threads: the most threads a save or restore works on besides the calling one, its I/O
             and hashing (from a non-blocking save's return until it is waited for, the cores training
-            leaves: the CPUs less ``torch.get_num_threads()``, at least one); default the latter.
+            leaves: the CPUs less torch's threads, at least one); default ``torch.get_num_threads()``.
         create: create the store if absent; if False, a missing store raises StoreError.
         take_over: take the writer lease found now at the first save, even if its holder looks
             alive or it is unreadable; a dead holder's is taken anyway (:mod:`deltackpt.ops.lease`).
