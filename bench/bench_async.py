@@ -47,6 +47,9 @@ delta writes the rows training marked and their sums. The default size is ~2.2 G
               ``background`` come in the first second after it, the warm-up beside them; then a
               training step and the next base, as a job's bases after its first come (the later
               base of ``background`` comes a second after the first, the warm-up still running)
+  warm-up     training steps while a staging pool of the budget's buffers is warmed into fresh
+              memory (``StagingPool.warm``, as after a process's first background base, to have
+              the next base's buffers touched): their mean time
   audits      a background base and ``AUDITS`` deltas with ``Canary(audit_every=AUDITS)``, so
               that each table is audited (hashed whole, on the blocked path) at one of them: the
               slowest delta's blocked time against their median (the tables take turns)
@@ -79,6 +82,7 @@ from torch import nn
 
 import deltackpt
 from deltackpt import Checkpointer, statetree
+from deltackpt.io.staging import StagingPool
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
@@ -376,6 +380,13 @@ def main() -> None:
             note(f"1% delta background, every table audited in {AUDITS} deltas: median blocked s",
                  statistics.median(blocked))
         shutil.rmtree(path)
+        deltackpt.release_staging_memory()  # the warm-up of fresh memory, training beside
+        pool = StagingPool(budget // chunk, chunk)
+        warming = threading.Thread(target=pool.warm, args=(budget // chunk,))
+        warming.start()
+        steps = while_pending(lambda: not warming.is_alive(), train)
+        pool.close()
+        note("train step beside the staging pool's warm-up ms", 1000 * statistics.mean(steps))
         first, *later = fresh_process(os.path.join(root, f"fresh{r}"))
         note("first background save of a fresh process: blocked s", first)
         note("later background saves of that process: blocked s", statistics.median(later))
@@ -417,6 +428,8 @@ def report(figures: dict[str, list[float]], budget: int) -> None:
          med["train step beside a background base ms"] / med["train step alone ms"]),
         ("train step beside a background delta / alone (goal <= 1.1)",
          med["train step beside a background delta ms"] / med["train step alone ms"]),
+        ("train step beside the staging pool's warm-up of a base's buffers / alone (goal <= 1.1)",
+         med["train step beside the staging pool's warm-up ms"] / med["train step alone ms"]),
         ("train step beside a bare writer of the base's bytes / alone (the machine's floor)",
          med["train step beside a bare writer of the base's bytes ms"] / med["train step alone ms"]),
         ("train step beside a bare writer of the delta's bytes / alone (the machine's floor)",
