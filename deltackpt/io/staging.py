@@ -12,18 +12,15 @@ are in huge pages where the kernel has them (:func:`aligned_buffer`).
 A closed pool's buffers outlive it in the process's reserve, already touched, for the next pool of
 their size (a job that builds a new checkpointer, a test suite): at most as many as the largest
 pool closed holds, until :func:`release_staging_memory`. :meth:`StagingPool.warm` touches buffers
-ahead of the first copy, in the kernel's batch (``MADV_POPULATE_WRITE``) where it has one, and
-makes none while a save copies into the pool (:meth:`StagingPool.staging`).
+ahead of the first copy, a write per page, and makes none while a save copies into the pool
+(:meth:`StagingPool.staging`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import mmap
 import queue
-import sys
 import threading
 from collections.abc import Iterator
 
@@ -282,9 +279,6 @@ def release_staging_memory() -> int:
     return _RESERVE.release()
 
 
-_MADV_POPULATE_WRITE = 23  # Linux 5.14
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
-
 HUGE_PAGE = 2 << 20
 """Host buffers of at least this many bytes start on a boundary of this size and are advised into
 transparent huge pages (``MADV_HUGEPAGE``) where the kernel has them: a direct write from huge
@@ -323,23 +317,14 @@ def aligned_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
     return raw[start : start + nbytes]
 
 
-POPULATE_BYTES = 2 << 20
-"""The most :func:`_touch` faults in one call. The call holds the process's memory map lock
-throughout, and every ``mmap`` and ``munmap`` of the process waits for it: a training step
-allocates and frees its large tensors so, and its steps beside a warm of 2 GiB took 2.3-8.9x their
-time alone in calls of 32 MiB, 1.1-1.6x in calls of 2 MiB (a write per page: 0.9-1.3x)."""
-
-
 def _touch(buf: torch.Tensor) -> torch.Tensor:
-    """``buf`` (4 KiB aligned) with every page faulted in: by the kernel in calls of
-    ``POPULATE_BYTES`` where it can (2 GiB in 0.74-0.75 s on this project's VM, against 0.79-0.81 s
-    by a write per page, and 0.70-0.73 s in calls of 32 MiB; in huge pages 7.6-8.0 GB/s against
-    3.4-3.7 GB/s in 4 KiB ones, both far less where the host must give the memory back first:
-    0.47 against 0.40 GB/s), else by a write per page."""
-    whole = buf.numel() // BLOCK * BLOCK
-    start = buf.data_ptr()
-    if not (whole and _libc is not None and all(_libc.madvise(
-            ctypes.c_void_p(start + lo), ctypes.c_size_t(min(POPULATE_BYTES, whole - lo)),
-            _MADV_POPULATE_WRITE) == 0 for lo in range(0, whole, POPULATE_BYTES))):
-        buf.numpy()[::BLOCK] = 0
+    """``buf`` (4 KiB aligned) with every page faulted in, by a write per page (numpy's, which
+    lets the GIL go). Not by the kernel's batch (``MADV_POPULATE_WRITE``), which holds the
+    process's memory map lock through each call, so that a training step's allocations wait for
+    it (page faults do not take it here). Beside a warm of 65 buffers of 32 MiB into memory the
+    host had to give back, on this project's 2-core VM, 2 processes of 3 rounds a side: training
+    steps took 0.94-1.04x their time alone against 1.95-2.66x with the kernel faulting 2 MiB a
+    call, and the warm 2.2-5.1 s against 2.8-6.3 s (beside a thread holding the GIL, each call's
+    return waiting for it: 3.2-3.3 s against 9.3-11.2 s)."""
+    buf.numpy()[::BLOCK] = 0
     return buf
