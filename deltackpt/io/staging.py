@@ -320,8 +320,8 @@ def aligned_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
 def _touch(buf: torch.Tensor) -> torch.Tensor:
     """``buf`` (4 KiB aligned) with every page faulted in, by a write per page (numpy's, which
     lets the GIL go). Not by the kernel's batch (``MADV_POPULATE_WRITE``), which holds the
-    process's memory map lock through each call, so that a training step's allocations wait for
-    it (page faults do not take it here). Beside a warm of 65 buffers of 32 MiB into memory the
+    process's memory map lock through each call of 2 MiB, so that a training step's allocations
+    wait for it (a fault faults one page). Beside a warm of 65 buffers of 32 MiB into memory the
     host had to give back, on this project's 2-core VM, 2 processes of 3 rounds a side: training
     steps took 0.94-1.04x their time alone against 1.95-2.66x with the kernel faulting 2 MiB a
     call, and the warm 2.2-5.1 s against 2.8-6.3 s (beside a thread holding the GIL, each call's
