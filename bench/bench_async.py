@@ -39,7 +39,10 @@ delta writes the rows training marked and their sums. The default size is ~2.2 G
               and while a background base, then a 1% marked delta, finishes: how much of the GIL
               the save's threads take, and how long each then takes to commit
   fresh       in a new process, the blocked time of the first background save right after the
-              checkpointer is built, and of two later ones (the kernels warm in the background)
+              checkpointer is built, and of two later ones (the kernels warm in the background:
+              loading them holds the GIL for most of their ~0.5 s here, so the saves that come
+              meanwhile wait for it); in another, the same ``FRESH_AFTER`` seconds after it is built,
+              as a job's first checkpoint comes after some training
   after       a background base, ``SETTLE_STEPS`` training steps and a delta of their changes
               (untimed), then ``DELTAS_TIMED`` times a training step and a background delta: a job's
               deltas mostly come long after a base, once the pool's warm-up of the buffers the
@@ -94,6 +97,7 @@ AUDITS = 8  # the audits part's deltas, and its audit_every
 DELTAS_TIMED = 3  # deltas a round between the blocking and background rounds' base and later base
 DELTAS_BESIDE = 4  # background deltas a round with training beside them (and bare writers of their bytes)
 SETTLE_STEPS = 60  # training steps between a base and the deltas "long after" it (~3 s at the full size)
+FRESH_AFTER = 1.0  # seconds between building the checkpointer and the first save, past the kernels' warm-up
 QUICK = {"tables": 4, "rows": 65_536, "dim": 64, "steps": 5}
 
 
@@ -184,11 +188,15 @@ def spin() -> None:
         x += i
 
 
+FIRST_AFTER = (f"first background save of a fresh process, {FRESH_AFTER:g} s after building its checkpointer: "
+               "blocked s")
+LATER_AFTER = f"later background saves of that process, {FRESH_AFTER:g} s after building it: blocked s"
 FRESH = """
 import sys, time, torch, deltackpt
 torch.set_num_threads(1)
 ckpt = deltackpt.Checkpointer(sys.argv[1], base_every=1)
 t = torch.randn(20000, 32)
+time.sleep(float(sys.argv[2]))
 blocked = []
 for step in (1, 2, 3):
     t += 1
@@ -200,10 +208,11 @@ print(*blocked)
 """
 
 
-def fresh_process(folder: str) -> list[float]:
+def fresh_process(folder: str, after: float = 0.0) -> list[float]:
     """The blocked times of the first three background saves (bases of a 2.4 MiB tensor) of a
-    fresh process, the first right after the checkpointer is built."""
-    out = subprocess.run([sys.executable, "-c", FRESH, folder], check=True, capture_output=True, text=True)
+    fresh process, the first ``after`` seconds after the checkpointer is built."""
+    out = subprocess.run([sys.executable, "-c", FRESH, folder, str(after)], check=True, capture_output=True,
+                         text=True)
     return [float(v) for v in out.stdout.split()]
 
 
@@ -390,6 +399,9 @@ def main() -> None:
         first, *later = fresh_process(os.path.join(root, f"fresh{r}"))
         note("first background save of a fresh process: blocked s", first)
         note("later background saves of that process: blocked s", statistics.median(later))
+        first, *later = fresh_process(os.path.join(root, f"fresh-after{r}"), FRESH_AFTER)
+        note(FIRST_AFTER, first)
+        note(LATER_AFTER, statistics.median(later))
         print(f"round {r + 1}/{args.repeat}: other processes {others_cpu(start, cpu_seconds()) or 0:.1f} CPU-s",
               flush=True)
     report(figures, budget)
@@ -448,6 +460,8 @@ def report(figures: dict[str, list[float]], budget: int) -> None:
         ("first background save of a fresh process / later ones (goal <= 1)",
          med["first background save of a fresh process: blocked s"]
          / med["later background saves of that process: blocked s"]),
+        (f"first background save {FRESH_AFTER:g} s after its checkpointer is built / later ones (goal <= 1)",
+         med[FIRST_AFTER] / med[LATER_AFTER]),
     ]
     if "base DCP async_save: blocked s" in med:
         goals += [
@@ -485,6 +499,8 @@ def peer_of(name: str) -> tuple[str, str | None]:
         return unit, name.replace("slowest", "median")
     if name == "first background save of a fresh process: blocked s":
         return unit, "later background saves of that process: blocked s"
+    if name == FIRST_AFTER:
+        return unit, LATER_AFTER
     return unit, None
 
 
