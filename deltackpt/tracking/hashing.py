@@ -191,8 +191,9 @@ def warm_kernels() -> None:
 
     Both hold the GIL for most of their ~0.5 s (numcodecs reads the entry points of every
     installed package, numba loads and links its cached kernels): a thread beside them got about
-    half of that time, so a background save of 2.4 MiB called right after the checkpointer was built
-    blocked 66-77 ms, one called a second later 3-9 ms, as the later ones did."""
+    half of that time, so a first background save of 2.4 MiB called right after the checkpointer
+    was built blocked 66-94 ms, one called a second later 8-12 ms (the state's first planning,
+    code run for the first time), the saves after either 2-5 ms."""
     if not _warming:
         _warming.append(True)
         run_ahead(partial(codec_for, torch.int64))
