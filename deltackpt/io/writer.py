@@ -76,8 +76,7 @@ class StepWriter:
         packer: one thread that appends staged chunks to the pack (None: the calling thread
             appends every chunk).
         defer: small staged chunks are appended by :meth:`finish` instead of the put (the saving
-            thread of a non-blocking save returns without them), large ones from :meth:`staged`,
-            while the staging pool keeps two places free (see :meth:`_room`).
+            thread of a non-blocking save returns without them), large ones from :meth:`staged`.
         gate: every file waits for it before it is written, and fails with its error (the
             writer lease naming the attempt folder, see :class:`~deltackpt.save.saver.Saver`);
             it must not wait for ``executor``'s threads.
@@ -103,9 +102,8 @@ class StepWriter:
         self._files = FileWrites(storage, executor, gate, hold=hold)
         self._workers = workers
         self._touched = min(pool.buffers, pool.touched_bytes() // pool.nbytes)  # buffers touched already
-        # Large chunks queued on the packer or held back, each holding its staging buffer: at
-        # most all but two buffers, so that the pack (filling one) and the caller (gathering one)
-        # always get one (held-back small chunks: see _room).
+        # Appends queued on the packer, each holding its staging buffer: at most all but two
+        # buffers, so that the pack (filling one) and the caller (gathering one) always get one.
         self._packer = packer if pool.buffers > 2 else None
         self._ahead = threading.Semaphore(max(0, pool.buffers - 2))
         self._appends: list[Future[None]] = []
@@ -221,15 +219,6 @@ class StepWriter:
         step = -(-n // (pieces * 4))  # a few jobs a thread: a core that turns busy holds back one
         run_shared(self._executor, [partial(np.copyto, dst[lo : lo + step], src[lo : lo + step])
                                     for lo in range(0, n, step)], pieces - 1)
-
-    def _room(self) -> bool:
-        """Whether a staged chunk may be held back (for :meth:`finish`, or a large one for
-        :meth:`staged`) with its buffer: the pool then keeps two places free, the pack's and the
-        next chunk's, so that neither waits for what only this thread gives back. Small chunks
-        cut from one shared buffer hold one place: a background delta of 100 tables of 20,000 x
-        16 with their Adagrad state (200 chunks of 31 kB) held back 6 of them when each counted
-        as a buffer, all of them now, and blocked training 63-73 ms instead of 76-93 ms."""
-        return self.pool.buffers - self.pool.taken() >= 2
 
     def _run_deferred(self) -> BaseException | None:
         """Runs the appends left to :meth:`finish`; returns the first error."""
@@ -350,23 +339,19 @@ class StepWriter:
                     release()
 
             if owned and large and self._packer is not None:
-                slot = self._ahead.acquire(blocking=False)
-                if not slot or (self._defer and not self._room()):
+                if not self._ahead.acquire(blocking=False):
                     self._let_go()  # the held chunks hold the buffers, and only the packer frees them
                     error = self._run_deferred()  # they hold buffers only this thread gives back
                     if error is not None:
-                        if slot:
-                            self._ahead.release()
                         release()
                         raise error
-                    if not slot:
-                        self._ahead.acquire()
+                    self._ahead.acquire()
                 if self._defer:
                     self._held.append((_then(append, self._ahead.release), _then(release, self._ahead.release)))
                 else:
                     self._appends.append(self._packer.submit(_then(append, self._ahead.release)))
-            elif owned and self._defer and self._room():
-                self._deferred.append((append, release))
+            elif owned and self._defer and self._ahead.acquire(blocking=False):
+                self._deferred.append((_then(append, self._ahead.release), _then(release, self._ahead.release)))
             elif kept and self._defer:  # coding it is the background's work (blosc: ~70 us for 5,000 ids)
                 self._deferred.append((append, release))
             else:
