@@ -154,7 +154,7 @@ def cores_beside_training(workers: int) -> int:
     returned: the CPUs this process may run on less torch's threads (the training's), at least
     one. On a 2-core VM beside one training thread, one: with two, the steps beside a
     2.2 GB background base took 1.54x their time alone, with one 0.92-1.16x, its call to commit
-    with training beside 1.3-1.6x the blocking save's (a wait for it lifts the bound, see
+    with training beside 1.3-1.8x the blocking save's (a wait for it lifts the bound, see
     ``SaveHandle.result``: then 0.9-1.25x; ``bench/bench_async.py``). With
     the large files' writes (which mostly wait for the disk) beside that thread's other jobs,
     the commit took 0.7-1.4x the blocking save's, but the steps beside a base 1.31-1.33x their
