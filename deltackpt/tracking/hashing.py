@@ -192,7 +192,7 @@ def warm_kernels() -> None:
     Both hold the GIL for most of their ~0.5 s (numcodecs reads the entry points of every
     installed package, numba loads and links its cached kernels): a thread beside them got about
     half of that time, so a first background save of 2.4 MiB called right after the checkpointer
-    was built blocked 66-94 ms, one called a second later 8-12 ms (the state's first planning,
+    was built blocked 66-104 ms, one called a second later 5-12 ms (the state's first planning,
     code run for the first time), the saves after either 2-5 ms."""
     if not _warming:
         _warming.append(True)
