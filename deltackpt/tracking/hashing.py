@@ -189,11 +189,12 @@ def warm_kernels() -> None:
     before them, imports the codec of the ids every delta writes (numcodecs: 30 ms of the first
     delta's blocked time otherwise).
 
-    Both hold the GIL for most of their ~0.5 s (numcodecs reads the entry points of every
-    installed package, numba loads and links its cached kernels): a thread beside them got about
-    half of that time, so a first background save of 2.4 MiB called right after the checkpointer
-    was built blocked 66-104 ms, one called a second later 5-12 ms (the state's first planning,
-    code run for the first time), the saves after either 2-5 ms."""
+    Both hold the GIL for much of their ~0.5 s, in C calls the switch interval does not cut
+    (numcodecs reads the entry points of every installed package, numba loads and links its
+    cached kernels): a thread beside them went without it for 0.23-0.37 s of that time, so a
+    first background save of 2.4 MiB called right after the checkpointer was built blocked
+    66-104 ms, one called a second later 5-12 ms (the state's first planning, code run for the
+    first time), the saves after either 2-5 ms."""
     if not _warming:
         _warming.append(True)
         run_ahead(partial(codec_for, torch.int64))
