@@ -7,7 +7,10 @@ The state is a DLRM-like model, the state of ``bench_distributed.py``: ``--table
 EmbeddingBags of ``--rows`` x ``--dim`` float32 rows with row-wise Adagrad (one sum per row, 1-d)
 and a small dense MLP with Adagrad; the checkpointer tracks the tables with their optimizer, so a
 delta writes the rows training marked and their sums. The default size is ~2.2 GB (8 tables of
-524,288 x 128); ``--quick`` is 64 MiB (4 tables of 65,536 x 64). Each round, in turn:
+524,288 x 128); ``--quick`` is 64 MiB (4 tables of 65,536 x 64). ``--model tracking`` is instead
+the tracked model of ``bench_tracking.py``: its DLRM (a bottom and a top MLP, dot interactions,
+Adam on the MLPs) with row-wise Adagrad on 8 tables of 250,000 x 32 (256 MB; ``--quick`` 4 of
+100,000 x 32), each training step a batch of bags of 20 distinct ids a table. Each round, in turn:
 
   blocking    a base, then ``DELTAS_TIMED`` times a training step touching ``--delta`` of every
               table's rows and a delta, then another training step and a later base of the same
@@ -90,6 +93,7 @@ from deltackpt import Checkpointer, statetree
 from deltackpt.io.staging import StagingPool
 
 sys.path.insert(0, os.path.dirname(__file__))
+import bench_tracking  # noqa: E402
 from common import (  # noqa: E402
     RowwiseAdagrad, cpu_seconds, direct_bandwidth, figure, json_option, others_cpu, write_figures,
 )
@@ -100,19 +104,47 @@ DELTAS_TIMED = 3  # deltas a round between the blocking and background rounds' b
 DELTAS_BESIDE = 4  # background deltas a round with training beside them (and bare writers of their bytes)
 SETTLE_STEPS = 60  # training steps between a base and the deltas "long after" it (~3 s at the full size)
 FRESH_AFTER = 1.0  # seconds between building the checkpointer and the first save, past the kernels' warm-up
-QUICK = {"tables": 4, "rows": 65_536, "dim": 64, "steps": 5}
+SIZES = {  # --model: its default --tables, --rows and --dim, then those of --quick
+    "dlrm-like": ((8, 524_288, 128), (4, 65_536, 64)),
+    "tracking": ((8, 250_000, 32), (4, 100_000, 32)),
+}
+QUICK_STEPS = 5
+POOLING = 20  # ids a bag of the tracking model
+
+Model = tuple[nn.Module, tuple[torch.optim.Optimizer, torch.optim.Optimizer], dict, Callable[[int], None]]
 
 
-def build(args: argparse.Namespace) -> tuple[nn.Module, tuple[torch.optim.Optimizer, torch.optim.Optimizer], dict]:
-    """The model, its optimizers (the tables', tracked, then the MLP's) and the state saved."""
+def build(args: argparse.Namespace) -> Model:
+    """The model, its optimizers (the tables', tracked, then the dense layers'), the state saved and
+    a training step (``step(n)`` looks up ``n`` rows of every table)."""
     torch.manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    if args.model == "tracking":
+        return tracking_model(args, gen)
     model = nn.ModuleDict({
         "tables": nn.ModuleList(nn.EmbeddingBag(args.rows, args.dim, mode="sum", sparse=True)
                                 for _ in range(args.tables)),
         "mlp": nn.Sequential(nn.Linear(args.dim, 64), nn.ReLU(), nn.Linear(64, 1)),
     })
     opts = RowwiseAdagrad(model["tables"].parameters(), lr=0.01), torch.optim.Adagrad(model["mlp"].parameters())
-    return model, opts, {"model": model, "optim": opts[0], "dense_optim": opts[1], "step": 0}
+    state = {"model": model, "optim": opts[0], "dense_optim": opts[1], "step": 0}
+    return model, opts, state, lambda n: train_step(model, opts, args.rows, n, gen)
+
+
+def tracking_model(args: argparse.Namespace, gen: torch.Generator) -> Model:
+    """``bench_tracking.py``'s DLRM (a bottom and a top MLP, dot interactions; row-wise Adagrad on the
+    tables, Adam on the MLPs), each step a batch of bags of ``POOLING`` distinct ids a table, as
+    its delta saves train."""
+    model = bench_tracking.DLRM(args.tables, args.rows, args.dim)
+    opts = bench_tracking.make_optimizers(model, "rowwise")
+    shape = argparse.Namespace(tables=args.tables, rows=args.rows, pooling=POOLING)
+
+    def step(n: int) -> None:
+        k = max(POOLING, n // POOLING * POOLING)
+        ids = [torch.randperm(args.rows, generator=gen)[:k] for _ in range(args.tables)]
+        bench_tracking.train_step(model, opts, bench_tracking.make_batch(shape, gen, ids))
+
+    return model, opts, {"model": model, "optim": opts[0], "dense_optim": opts[1], "step": 0}, step
 
 
 def train_step(model: nn.Module, opts: tuple[torch.optim.Optimizer, ...], rows: int, n: int,
@@ -228,11 +260,15 @@ def fresh_process(folder: str, after: float = 0.0) -> list[float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="the small size: " + " ".join(
-        f"--{k} {v}" for k, v in QUICK.items()))
-    p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--rows", type=int, default=524_288)
-    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--model", choices=tuple(SIZES), default="dlrm-like",
+                   help="the state of bench_distributed.py, or the tracked model of bench_tracking.py")
+    p.add_argument("--quick", action="store_true",
+                   help=f"the small size (--steps {QUICK_STEPS} and, by model, --tables, --rows and --dim " + ", ".join(
+                       f"{m}: {' x '.join(map(str, q))}" for m, (_, q) in SIZES.items()) + ")")
+    p.add_argument("--tables", type=int, help="tables (default by model: " + ", ".join(
+        f"{m}: {d[0]}" for m, (d, _) in SIZES.items()) + ")")
+    p.add_argument("--rows", type=int, help="rows of a table (default by model)")
+    p.add_argument("--dim", type=int, help="floats a row (default by model)")
     p.add_argument("--delta", type=float, default=0.01, help="share of rows a delta's step touches")
     p.add_argument("--steps", type=int, default=10, help="training steps timed with no save running")
     p.add_argument("--budget-mib", type=int, default=None,
@@ -244,21 +280,25 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     json_option(p)
     args = p.parse_args()
+    full, quick = SIZES[args.model]
+    for name, default in zip(("tables", "rows", "dim"), quick if args.quick else full):
+        if getattr(args, name) is None or args.quick:
+            setattr(args, name, default)
     if args.quick:
-        vars(args).update(QUICK)
+        args.steps = QUICK_STEPS
     torch.set_num_threads(1)  # one training thread; the saves' threads run beside it
     root = tempfile.mkdtemp(prefix="deltackpt-bench-async-", dir=args.dir)
     print(f"deltackpt from {os.path.dirname(deltackpt.__file__)}; torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs, 1 training thread, {args.save_threads} threads a checkpointer")
-    model, opts, state = build(args)
+    model, opts, state, train_step_of = build(args)
     opt = opts[0]  # the tables', tracked
-    gen = torch.Generator().manual_seed(args.seed)
-    train_step(model, opts, args.rows, 1, gen)
+    train_step_of(1)
     nbytes = sum(s.local.nbytes for s in statetree.flatten(state).tensors.values())
     chunk = 32 * MiB
     budget = args.budget_mib * MiB if args.budget_mib else max(2, -(-nbytes // chunk)) * chunk
     touched = max(1, int(args.delta * args.rows))
-    print(f"state: {args.tables} tables of {args.rows} x {args.dim} with row-wise Adagrad, {nbytes / 1e9:.2f} GB; "
+    print(f"state ({args.model}): {args.tables} tables of {args.rows} x {args.dim} with row-wise Adagrad, "
+          f"{nbytes / 1e9:.2f} GB; "
           f"a delta's step touches {touched} rows a table; staging budget {budget / MiB:.0f} MiB")
     figures: dict[str, list[float]] = {}
 
@@ -266,7 +306,7 @@ def main() -> None:
         figures.setdefault(name, []).append(value)
 
     def train() -> None:
-        train_step(model, opts, args.rows, touched, gen)
+        train_step_of(touched)
 
     try:
         import torch.distributed as dist
@@ -369,8 +409,10 @@ def main() -> None:
                 note(f"{what} background, pure-Python loop beside: to commit s", handle.result().seconds)
         shutil.rmtree(path)
         path = os.path.join(root, f"r{r}-after")
-        base_every = 2 + DELTAS_TIMED  # the save after the timed deltas is the next base
-        with Checkpointer(path, base_every=base_every, memory_budget=budget, threads=args.save_threads) as ckpt:
+        # The save after the timed deltas is the next base, and the settling steps' delta is a
+        # delta however many rows they touched (about half of them).
+        policy = deltackpt.EveryK(every=2 + DELTAS_TIMED, max_delta_fraction=1.0)
+        with Checkpointer(path, policy=policy, memory_budget=budget, threads=args.save_threads) as ckpt:
             ckpt.track(model, prefix="model", optimizer=opt)
             ckpt.save(step + 1, state, blocking=False).result()
             for _ in range(SETTLE_STEPS):
