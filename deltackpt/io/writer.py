@@ -14,7 +14,8 @@ saving thread only gathers: it returns to training sooner; for a non-blocking sa
 only once the caller has staged every chunk (:meth:`StepWriter.staged`), so that the packer's
 hashing and copying do not take the cores from the caller's gathers. A small one is appended by
 the saving thread (see :data:`HAND_OFF_BYTES`), or for a non-blocking save by its background
-thread when it finishes the writer, while staging buffers allow; so are the ids of a delta's rows.
+thread when it finishes the writer, while staging buffers allow (at most :data:`MAX_DEFERRED`);
+so are the ids of a delta's rows.
 """
 
 from __future__ import annotations
@@ -49,6 +50,13 @@ COPY_PIECE_BYTES = 4 << 20  # the least a staging copy shared with the I/O threa
 # hashing it costs less than waking the pack thread and trading the GIL with it (a small
 # state's delta is a few dozen such chunks).
 HAND_OFF_BYTES = 1 << 20
+# The most small staged chunks a non-blocking save leaves to its background: each spares the
+# saving thread a copy and hash, but its append is ~50 us of Python there, whose GIL the training
+# beside it waits for. 100 tables of 10,000 x 64: training steps beside a background delta took
+# 87-89 ms with its 200 chunks left to it, 47-48 ms with 6 (bench_async.py --tables 100 --rows
+# 10000 --dim 64); the tracked model of bench_tracking (two chunks of each of 8 tables), its 1%
+# delta blocked 9.8-10.0 ms with all 16 left to it, 11.6-12.4 ms with 6.
+MAX_DEFERRED = 16
 
 
 def _then(job: Callable[[], None], after: Callable[[], None]) -> Callable[[], None]:
@@ -76,7 +84,8 @@ class StepWriter:
         packer: one thread that appends staged chunks to the pack (None: the calling thread
             appends every chunk).
         defer: small staged chunks are appended by :meth:`finish` instead of the put (the saving
-            thread of a non-blocking save returns without them), large ones from :meth:`staged`.
+            thread of a non-blocking save returns without them), large ones from :meth:`staged`,
+            while the staging pool keeps two places free (see :meth:`_room`).
         gate: every file waits for it before it is written, and fails with its error (the
             writer lease naming the attempt folder, see :class:`~deltackpt.save.saver.Saver`);
             it must not wait for ``executor``'s threads.
@@ -102,15 +111,17 @@ class StepWriter:
         self._files = FileWrites(storage, executor, gate, hold=hold)
         self._workers = workers
         self._touched = min(pool.buffers, pool.touched_bytes() // pool.nbytes)  # buffers touched already
-        # Appends queued on the packer, each holding its staging buffer: at most all but two
-        # buffers, so that the pack (filling one) and the caller (gathering one) always get one.
+        # Large chunks queued on the packer or held back, each holding its staging buffer: at
+        # most all but two buffers, so that the pack (filling one) and the caller (gathering one)
+        # always get one (held-back small chunks: see _room).
         self._packer = packer if pool.buffers > 2 else None
         self._ahead = threading.Semaphore(max(0, pool.buffers - 2))
         self._appends: list[Future[None]] = []
         # Appends left to finish() (small staged chunks, kept ones), each with what gives back
-        # all it holds, had it never run (its buffer and its place among the _ahead).
+        # all it holds, had it never run (its buffer, and a large one's place among the _ahead).
         self._defer = defer
         self._deferred: list[tuple[Callable[[], None], Callable[[], None]]] = []
+        self._small_deferred = 0  # owned small chunks among them (see MAX_DEFERRED)
         # Appends of large staged chunks held back for the packer until staged(), likewise.
         self._held: list[tuple[Callable[[], None], Callable[[], None]]] = []
         self._appending = threading.Lock()  # one append at a time, from either thread
@@ -220,6 +231,15 @@ class StepWriter:
         run_shared(self._executor, [partial(np.copyto, dst[lo : lo + step], src[lo : lo + step])
                                     for lo in range(0, n, step)], pieces - 1)
 
+    def _room(self) -> bool:
+        """Whether a staged chunk may be held back (for :meth:`finish`, or a large one for
+        :meth:`staged`) with its buffer: the pool then keeps two places free, the pack's and the
+        next chunk's, so that neither waits for what only this thread gives back. Small chunks
+        cut from one shared buffer hold one place: a background 1% delta of bench_tracking's
+        model at the default budget (8 buffers) held back 6 of its 16 small chunks when each
+        counted as a buffer, and all of them now (see :data:`MAX_DEFERRED`)."""
+        return self.pool.buffers - self.pool.taken() >= 2
+
     def _run_deferred(self) -> BaseException | None:
         """Runs the appends left to :meth:`finish`; returns the first error."""
         error = None
@@ -272,7 +292,7 @@ class StepWriter:
 
         self._submit(key, path, name, parts, release, before=rows,
                      packed=self._pack is not None if packed is None else packed, owned=owned, kept=kept,
-                     large=data.nbytes >= HAND_OFF_BYTES,
+                     nbytes=data.nbytes,
                      apart=codec is None and data.is_contiguous() and data.nbytes >= APART_BYTES)
 
     def put_packed(self, chunks: Sequence[tuple[str, str, str, torch.Tensor, int]]) -> None:
@@ -322,7 +342,7 @@ class StepWriter:
 
     def _submit(self, key: str, path: str, name: str, parts: Callable[[], list[memoryview]],
                 release: Callable[[], None] = lambda: None, *, before: Callable[[], None] = lambda: None,
-                packed: bool = False, owned: bool = False, kept: bool = False, large: bool = False,
+                packed: bool = False, owned: bool = False, kept: bool = False, nbytes: int = 0,
                 apart: bool = False) -> None:
         chunks = self.results.setdefault((key, path), {})
         if packed:
@@ -338,20 +358,25 @@ class StepWriter:
                 finally:
                     release()
 
-            if owned and large and self._packer is not None:
-                if not self._ahead.acquire(blocking=False):
+            if owned and nbytes >= HAND_OFF_BYTES and self._packer is not None:
+                slot = self._ahead.acquire(blocking=False)
+                if not slot or (self._defer and not self._room()):
                     self._let_go()  # the held chunks hold the buffers, and only the packer frees them
                     error = self._run_deferred()  # they hold buffers only this thread gives back
                     if error is not None:
+                        if slot:
+                            self._ahead.release()
                         release()
                         raise error
-                    self._ahead.acquire()
+                    if not slot:
+                        self._ahead.acquire()
                 if self._defer:
                     self._held.append((_then(append, self._ahead.release), _then(release, self._ahead.release)))
                 else:
                     self._appends.append(self._packer.submit(_then(append, self._ahead.release)))
-            elif owned and self._defer and self._ahead.acquire(blocking=False):
-                self._deferred.append((_then(append, self._ahead.release), _then(release, self._ahead.release)))
+            elif owned and self._defer and self._small_deferred < MAX_DEFERRED and self._room():
+                self._small_deferred += 1
+                self._deferred.append((append, release))
             elif kept and self._defer:  # coding it is the background's work (blosc: ~70 us for 5,000 ids)
                 self._deferred.append((append, release))
             else:
