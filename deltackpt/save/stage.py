@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..format import dtypes
-from ..format.encodings import FULL, Array, choose, in_pack
+from ..format.encodings import CHUNKS, FULL, Array, Chunks, Packed, choose, in_pack
 from ..format.hash_files import encode_hashes
 from ..format.layout import STEPS, pack_name, part_folder
 from ..format.manifest import ChunkMap
@@ -88,10 +88,13 @@ def described(kind: Kind, dtype: torch.dtype, global_shape: tuple[int, ...], sha
 
 
 def stage_part(writer: StepWriter, kind: Kind, item: WriteItem, change: TensorChange, n: int,
-               sizes: tuple[int, int], rule: Rowwise | None = None) -> TensorChange:
+               sizes: tuple[int, int], rule: Rowwise | None = None, dense: list[Packed] | None = None
+               ) -> TensorChange:
     """Copies what the step writes of one part into staging buffers (a delta's rows quantized by
-    ``rule``) and queues their writes. Returns ``change``, with the hashes of what a delta wrote
-    filled in where the change set left them to the save."""
+    ``rule``) and queues their writes; a delta's changed chunks of a CPU tensor go to ``dense``
+    instead, for the caller to append at once (:meth:`~deltackpt.format.encodings.Chunks.encode_packed`).
+    Returns ``change``, with the hashes of what a delta wrote filled in where the change set
+    left them to the save (those of ``dense`` once it is appended)."""
     t, part = item.tensor, item.part
     if kind == Kind.DELTA and not n:  # nothing changed: nothing to stage
         return change
@@ -111,8 +114,11 @@ def stage_part(writer: StepWriter, kind: Kind, item: WriteItem, change: TensorCh
         return change if hashes is None else TensorChange(change.changed, hashes, aligned=change.aligned)
     assert change.changed is not None  # a delta has a change set for every part
     hashes = torch.empty(n, dtype=torch.int64) if change.partial and change.hashes is None else None
-    enc.encode(writer, item.key, part.path, t, change.changed, cs,
-               row_offset=part.box.offset[0] if part.box.offset else 0, hash_into=hashes, rule=rule)
+    if dense is not None and isinstance(enc, Chunks) and t.is_cpu:
+        dense.append((item.key, part.path, t, change.changed, cs, hashes))
+    else:
+        enc.encode(writer, item.key, part.path, t, change.changed, cs,
+                   row_offset=part.box.offset[0] if part.box.offset else 0, hash_into=hashes, rule=rule)
     return change if hashes is None else change._replace(hashes=hashes)
 
 
@@ -157,10 +163,12 @@ def stage(writers: list[StepWriter], save: SavePlan, items: tuple[WriteItem, ...
 
     A base's packed parts come last: the pack's file keeps an I/O thread until the pack ends, and
     the files of the large parts, queued before it, must not wait for a thread behind it. Those
-    of small CPU tensors go in together, last (thousands of tiny tensors cost one call). A
-    delta's parts that hold nothing are not looked at (most of a delta of many tensors'): their
-    change sets are whole (a partial one that holds nothing has the hashes of nothing)."""
+    of small CPU tensors go in together, last (thousands of tiny tensors cost one call), as do a
+    delta's changed chunks of CPU tensors. A delta's parts that hold nothing are not looked at
+    (most of a delta of many tensors'): their change sets are whole (a partial one that holds
+    nothing has the hashes of nothing)."""
     small: list[WriteItem] = []  # packed parts of small CPU tensors: into the pack in one call
+    dense: list[Packed] = []  # a delta's changed chunks of CPU tensors: likewise
     if save.kind == Kind.BASE:
         large: list[tuple[WriteItem, int]] = []
         packed: list[tuple[WriteItem, int]] = []
@@ -179,7 +187,9 @@ def stage(writers: list[StepWriter], save: SavePlan, items: tuple[WriteItem, ...
     staged = dict(changes)
     for it, n in work:
         staged[it.key] = stage_part(writers[0], save.kind, it, changes[it.key], n, sizes,
-                                    save.quantize[it.key].rule if it.key in save.quantize else None)
+                                    save.quantize[it.key].rule if it.key in save.quantize else None, dense)
+    if dense:
+        CHUNKS.encode_packed(writers[0], dense)
     if small:
         FULL.encode_packed(writers[0], [(it.key, it.part.path, it.tensor, _chunk_shape(it, sizes)) for it in small])
     for w in writers:

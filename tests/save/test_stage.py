@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import deltackpt.save.saver as saver_module
-from deltackpt import Checkpointer, MemoryStorage
+from deltackpt import Checkpointer, EveryK, MemoryStorage
 
 
 @pytest.mark.parametrize("dense_chunk_bytes", [64, 1 << 20])
@@ -41,6 +41,43 @@ def test_changing_the_state_after_stage_does_not_change_the_step(monkeypatch, de
             assert ckpt.save(2, state).kind == "delta"
         got = ckpt.load(2)
         assert torch.equal(got["table"], want["table"]) and torch.equal(got["vec"], want["vec"])
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_deltas_changed_chunks_go_into_the_pack_in_one_call(monkeypatch, blocking):
+    # Many small dense tensors, an int one (its chunks coded) and one of many chunks, three of
+    # them changed: not a put each, one put_packed for all, and the step reads back bit for bit.
+    from deltackpt.io.writer import StepWriter
+
+    gen = torch.Generator().manual_seed(0)
+    state = {f"norm{i}": torch.randn(48, generator=gen) for i in range(40)}
+    state["counts"], state["vec"] = torch.arange(100), torch.randn(1000, generator=gen)
+    calls = {"put": 0, "put_packed": 0}
+    real_put, real_put_packed = StepWriter.put, StepWriter.put_packed
+
+    def put(self, *args, **kwargs):
+        calls["put"] += 1
+        return real_put(self, *args, **kwargs)
+
+    def put_packed(self, chunks):
+        calls["put_packed"] += 1
+        return real_put_packed(self, chunks)
+
+    with Checkpointer(MemoryStorage(), dense_chunk_bytes=64, policy=EveryK(max_delta_fraction=1.0)) as ckpt:
+        ckpt.save(1, state)
+        for key, t in state.items():
+            if key.startswith("norm"):
+                t.add_(1.0)
+        state["counts"][7] = -1
+        state["vec"][[0, 500, 999]] += 1.0
+        want = {k: t.clone() for k, t in state.items()}
+        monkeypatch.setattr(StepWriter, "put", put)
+        monkeypatch.setattr(StepWriter, "put_packed", put_packed)
+        saved = ckpt.save(2, state, blocking=blocking)
+        info = saved if blocking else saved.result()
+        assert info.kind == "delta" and calls == {"put": 0, "put_packed": 1}
+        got = ckpt.load(2)
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 class _Recorder:

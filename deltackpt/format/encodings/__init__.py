@@ -22,8 +22,8 @@ from .base import (
 )
 from .full import FULL, Full, in_pack, write_block  # registered in this order: full, rows, qrows, chunks
 from .rows import QRows, RowChunks, Rows
-from .chunks import Chunks
+from .chunks import CHUNKS, Chunks, Packed
 
-__all__ = ["FULL", "Array", "ChunkSink", "ChunkSource", "Chunks", "Encoding", "Full", "Job",
-           "QRows", "RowChunks", "Rows", "choose", "dense_chunk_elems", "get", "in_pack", "register",
+__all__ = ["CHUNKS", "FULL", "Array", "ChunkSink", "ChunkSource", "Chunks", "Encoding", "Full", "Job",
+           "Packed", "QRows", "RowChunks", "Rows", "choose", "dense_chunk_elems", "get", "in_pack", "register",
            "rows_per_chunk", "write_block"]
