@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..format import dtypes
-from ..format.encodings import CHUNKS, FULL, Array, Chunks, Packed, choose, in_pack
+from ..format.encodings import CHUNKS, FULL, Array, Packed, choose, in_pack
 from ..format.hash_files import encode_hashes
 from ..format.layout import STEPS, pack_name, part_folder
 from ..format.manifest import ChunkMap
@@ -91,8 +91,9 @@ def stage_part(writer: StepWriter, kind: Kind, item: WriteItem, change: TensorCh
                sizes: tuple[int, int], rule: Rowwise | None = None, dense: list[Packed] | None = None
                ) -> TensorChange:
     """Copies what the step writes of one part into staging buffers (a delta's rows quantized by
-    ``rule``) and queues their writes; a delta's changed chunks of a CPU tensor go to ``dense``
-    instead, for the caller to append at once (:meth:`~deltackpt.format.encodings.Chunks.encode_packed`).
+    ``rule``) and queues their writes; a delta's changed chunks of a CPU tensor (of the registered
+    ``chunks`` encoding) go to ``dense`` instead, for the caller to append at once
+    (:meth:`~deltackpt.format.encodings.Chunks.encode_packed`).
     Returns ``change``, with the hashes of what a delta wrote filled in where the change set
     left them to the save (those of ``dense`` once it is appended)."""
     t, part = item.tensor, item.part
@@ -114,7 +115,7 @@ def stage_part(writer: StepWriter, kind: Kind, item: WriteItem, change: TensorCh
         return change if hashes is None else TensorChange(change.changed, hashes, aligned=change.aligned)
     assert change.changed is not None  # a delta has a change set for every part
     hashes = torch.empty(n, dtype=torch.int64) if change.partial and change.hashes is None else None
-    if dense is not None and isinstance(enc, Chunks) and t.is_cpu:
+    if dense is not None and enc is CHUNKS and t.is_cpu:
         dense.append((item.key, part.path, t, change.changed, cs, hashes))
     else:
         enc.encode(writer, item.key, part.path, t, change.changed, cs,
