@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..format import dtypes
-from ..format.encodings import CHUNKS, FULL, Array, Packed, choose, in_pack
+from ..format.encodings import CHUNKS, FULL, ROWS, Array, Packed, choose, in_pack
 from ..format.hash_files import encode_hashes
 from ..format.layout import STEPS, pack_name, part_folder
 from ..format.manifest import ChunkMap
@@ -88,14 +88,14 @@ def described(kind: Kind, dtype: torch.dtype, global_shape: tuple[int, ...], sha
 
 
 def stage_part(writer: StepWriter, kind: Kind, item: WriteItem, change: TensorChange, n: int,
-               sizes: tuple[int, int], rule: Rowwise | None = None, dense: list[Packed] | None = None
+               sizes: tuple[int, int], rule: Rowwise | None = None, batch: dict[str, list[Packed]] | None = None
                ) -> TensorChange:
     """Copies what the step writes of one part into staging buffers (a delta's rows quantized by
-    ``rule``) and queues their writes; a delta's changed chunks of a CPU tensor (of the registered
-    ``chunks`` encoding) go to ``dense`` instead, for the caller to append at once
-    (:meth:`~deltackpt.format.encodings.Chunks.encode_packed`).
+    ``rule``) and queues their writes; a delta's changed chunks of a CPU tensor, and changed rows
+    of a small one (of the registered ``chunks`` and ``rows`` encodings), go to ``batch`` under
+    the encoding's name instead, for the caller to append at once (their ``encode_packed``).
     Returns ``change``, with the hashes of what a delta wrote filled in where the change set
-    left them to the save (those of ``dense`` once it is appended)."""
+    left them to the save (those of ``batch`` once it is appended)."""
     t, part = item.tensor, item.part
     if kind == Kind.DELTA and not n:  # nothing changed: nothing to stage
         return change
@@ -115,11 +115,12 @@ def stage_part(writer: StepWriter, kind: Kind, item: WriteItem, change: TensorCh
         return change if hashes is None else TensorChange(change.changed, hashes, aligned=change.aligned)
     assert change.changed is not None  # a delta has a change set for every part
     hashes = torch.empty(n, dtype=torch.int64) if change.partial and change.hashes is None else None
-    if dense is not None and enc is CHUNKS and t.is_cpu:
-        dense.append((item.key, part.path, t, change.changed, cs, hashes))
+    offset = part.box.offset[0] if part.box.offset else 0
+    if batch is not None and t.is_cpu and (enc is CHUNKS or enc is ROWS and is_small(t)):
+        batch.setdefault(enc.name, []).append((item.key, part.path, t, change.changed, cs, offset, hashes))
     else:
-        enc.encode(writer, item.key, part.path, t, change.changed, cs,
-                   row_offset=part.box.offset[0] if part.box.offset else 0, hash_into=hashes, rule=rule)
+        enc.encode(writer, item.key, part.path, t, change.changed, cs, row_offset=offset, hash_into=hashes,
+                   rule=rule)
     return change if hashes is None else change._replace(hashes=hashes)
 
 
@@ -165,11 +166,11 @@ def stage(writers: list[StepWriter], save: SavePlan, items: tuple[WriteItem, ...
     A base's packed parts come last: the pack's file keeps an I/O thread until the pack ends, and
     the files of the large parts, queued before it, must not wait for a thread behind it. Those
     of small CPU tensors go in together, last (thousands of tiny tensors cost one call), as do a
-    delta's changed chunks of CPU tensors. A delta's parts that hold nothing are not looked at
-    (most of a delta of many tensors'): their change sets are whole (a partial one that holds
-    nothing has the hashes of nothing)."""
+    delta's changed chunks of CPU tensors and changed rows of small ones. A delta's parts that
+    hold nothing are not looked at (most of a delta of many tensors'): their change sets are
+    whole (a partial one that holds nothing has the hashes of nothing)."""
     small: list[WriteItem] = []  # packed parts of small CPU tensors: into the pack in one call
-    dense: list[Packed] = []  # a delta's changed chunks of CPU tensors: likewise
+    batch: dict[str, list[Packed]] = {}  # a delta's chunks of CPU tensors, rows of small ones: likewise
     if save.kind == Kind.BASE:
         large: list[tuple[WriteItem, int]] = []
         packed: list[tuple[WriteItem, int]] = []
@@ -188,9 +189,10 @@ def stage(writers: list[StepWriter], save: SavePlan, items: tuple[WriteItem, ...
     staged = dict(changes)
     for it, n in work:
         staged[it.key] = stage_part(writers[0], save.kind, it, changes[it.key], n, sizes,
-                                    save.quantize[it.key].rule if it.key in save.quantize else None, dense)
-    if dense:
-        CHUNKS.encode_packed(writers[0], dense)
+                                    save.quantize[it.key].rule if it.key in save.quantize else None, batch)
+    for enc in (CHUNKS, ROWS):
+        if enc.name in batch:
+            enc.encode_packed(writers[0], batch[enc.name])
     if small:
         FULL.encode_packed(writers[0], [(it.key, it.part.path, it.tensor, _chunk_shape(it, sizes)) for it in small])
     for w in writers:

@@ -44,14 +44,21 @@ def test_changing_the_state_after_stage_does_not_change_the_step(monkeypatch, de
 
 
 @pytest.mark.parametrize("blocking", [True, False])
-def test_a_deltas_changed_chunks_go_into_the_pack_in_one_call(monkeypatch, blocking):
-    # Many small dense tensors, an int one (its chunks coded) and one of many chunks, three of
-    # them changed: not a put each, one put_packed for all, and the step reads back bit for bit.
+def test_a_deltas_chunks_and_small_tensors_rows_go_into_the_pack_at_once(monkeypatch, blocking):
+    # Small dense tensors, an int one (its chunks coded), one of many chunks (three changed), small
+    # 2-d ones (float, bfloat16, int) and a small tracked table whose marked rows' hashes the
+    # batch takes: not a put each, one put_packed for each encoding's; the step reads back bit for bit, and
+    # the next delta finds exactly the rows changed since.
+    from deltackpt import kernels
     from deltackpt.io.writer import StepWriter
 
     gen = torch.Generator().manual_seed(0)
     state = {f"norm{i}": torch.randn(48, generator=gen) for i in range(40)}
     state["counts"], state["vec"] = torch.arange(100), torch.randn(1000, generator=gen)
+    state["w"], state["ids"] = torch.randn(24, 16, generator=gen), torch.arange(60).reshape(20, 3)
+    state["half"] = torch.randn(10, 8, generator=gen).to(torch.bfloat16)
+    emb = torch.nn.EmbeddingBag(200, 8, mode="sum")
+    state["emb"] = emb
     calls = {"put": 0, "put_packed": 0}
     real_put, real_put_packed = StepWriter.put, StepWriter.put_packed
 
@@ -63,21 +70,35 @@ def test_a_deltas_changed_chunks_go_into_the_pack_in_one_call(monkeypatch, block
         calls["put_packed"] += 1
         return real_put_packed(self, chunks)
 
-    with Checkpointer(MemoryStorage(), dense_chunk_bytes=64, policy=EveryK(max_delta_fraction=1.0)) as ckpt:
+    with Checkpointer(MemoryStorage(), chunk_bytes=256, dense_chunk_bytes=64,
+                      policy=EveryK(max_delta_fraction=1.0)) as ckpt:
+        ckpt.track(emb, prefix="emb")
         ckpt.save(1, state)
-        for key, t in state.items():
-            if key.startswith("norm"):
-                t.add_(1.0)
-        state["counts"][7] = -1
-        state["vec"][[0, 500, 999]] += 1.0
-        want = {k: t.clone() for k, t in state.items()}
+        emb(torch.tensor([3, 150]), torch.tensor([0]))  # marks rows 3 and 150
+        with torch.no_grad():
+            emb.weight[[3, 150]] += 1.0
+            for key, t in state.items():
+                if key.startswith("norm"):
+                    t.add_(1.0)
+            state["counts"][7] = -1
+            state["vec"][[0, 500, 999]] += 1.0
+            state["w"][[0, 5, 23]] += 1.0
+            state["ids"][4] = -2
+            state["half"][9] += 1
+        want = {k: (t.weight if k == "emb" else t).detach().clone() for k, t in state.items()}
         monkeypatch.setattr(StepWriter, "put", put)
         monkeypatch.setattr(StepWriter, "put_packed", put_packed)
         saved = ckpt.save(2, state, blocking=blocking)
         info = saved if blocking else saved.result()
-        assert info.kind == "delta" and calls == {"put": 0, "put_packed": 1}
+        assert info.kind == "delta" and calls == {"put": 0, "put_packed": 2}  # chunks, rows
+        assert torch.equal(ckpt._tracker._refs["emb/weight"].hashes, kernels.hash_rows(emb.weight.detach()))
         got = ckpt.load(2)
-    assert all(torch.equal(got[k], want[k]) for k in want)
+        with torch.no_grad():
+            emb.weight[[77]] += 1.0
+            state["w"][[9]] += 1.0
+        emb(torch.tensor([77]), torch.tensor([0]))
+        assert ckpt.save(3, state).rows_changed == 2
+    assert all(torch.equal(got["emb"]["weight"] if k == "emb" else got[k], want[k]) for k in want)
 
 
 class _Recorder:

@@ -14,6 +14,7 @@ from .base import (
     ChunkSource,
     Encoding,
     Job,
+    Packed,
     choose,
     dense_chunk_elems,
     get,
@@ -21,9 +22,9 @@ from .base import (
     rows_per_chunk,
 )
 from .full import FULL, Full, in_pack, write_block  # registered in this order: full, rows, qrows, chunks
-from .rows import QRows, RowChunks, Rows
-from .chunks import CHUNKS, Chunks, Packed
+from .rows import ROWS, QRows, RowChunks, Rows
+from .chunks import CHUNKS, Chunks
 
-__all__ = ["CHUNKS", "FULL", "Array", "ChunkSink", "ChunkSource", "Chunks", "Encoding", "Full", "Job",
+__all__ = ["CHUNKS", "FULL", "ROWS", "Array", "ChunkSink", "ChunkSource", "Chunks", "Encoding", "Full", "Job",
            "Packed", "QRows", "RowChunks", "Rows", "choose", "dense_chunk_elems", "get", "in_pack", "register",
            "rows_per_chunk", "write_block"]

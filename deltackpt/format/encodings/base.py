@@ -103,6 +103,11 @@ class Array:
         return math.prod(self.chunk_shape) * self.dtype.itemsize
 
 
+Packed = tuple[str, str, torch.Tensor, torch.Tensor, tuple[int, ...], int, torch.Tensor | None]
+"""A delta's part appended at once with others (``encode_packed`` of ``chunks`` and ``rows``): key,
+path, CPU tensor, its changed rows or chunks, chunk shape, first row's global id, ``hash_into``."""
+
+
 class ChunkSink(Protocol):
     """Where a save's chunks go (:class:`deltackpt.io.writer.StepWriter`)."""
 

@@ -20,6 +20,7 @@ from .base import (
     Encoding,
     REGISTRY,
     Job,
+    Packed,
     dense_chunk_elems,
     dense_rows,
     register,
@@ -31,10 +32,6 @@ if TYPE_CHECKING:
     from ...quantization import Rowwise
     from ...sharding import Box
     from ..manifest import Manifest, PartRecord, TensorRecord
-
-
-Packed = tuple[str, str, torch.Tensor, torch.Tensor | None, tuple[int, ...], torch.Tensor | None]
-"""A part for :meth:`Chunks.encode_packed`: key, path, tensor, changed chunks, chunk shape, hash_into."""
 
 
 @register
@@ -68,26 +65,24 @@ class Chunks(Encoding):
         """Writes chunks ``changed`` of ``t``'s flat elements into the sink's pack (a delta's
         writer has one; a CPU tensor's in one call, see :meth:`encode_packed`); puts each
         chunk's hash in ``hash_into`` if given."""
+        if changed is None:
+            raise StateError(f"{key!r}: a {self.name} part needs its changed chunks")
         if t.is_cpu:
-            self.encode_packed(sink, [(key, path, t, changed, chunk_shape, hash_into)])
+            self.encode_packed(sink, [(key, path, t, changed, chunk_shape, row_offset, hash_into)])
             return
-        for _, _, name, data, pad in self._chunks(key, path, t, changed, chunk_shape, hash_into):
+        for _, _, name, data, pad in self._chunks(key, path, t, changed, chunk_shape, row_offset, hash_into):
             sink.put(key, path, name, data, pad, t.dtype)
 
     def encode_packed(self, sink: ChunkSink, parts: Sequence[Packed]) -> None:
-        """:meth:`encode` of the parts of CPU tensors ``parts`` (``(key, path, tensor, changed,
-        chunk shape, hash_into)``) at once: their chunks into the pack in one call (a delta of
-        the 1,200 small tensors of 300 layer norms and their Adam state spent ~30 us a part in
-        :meth:`~deltackpt.io.writer.StepWriter.put`'s queueing)."""
+        """:meth:`encode` of ``parts`` (of CPU tensors) at once: their chunks into the pack in one
+        call (a delta of the 1,200 small tensors of 300 layer norms and their Adam state spent ~30
+        us a part in :meth:`~deltackpt.io.writer.StepWriter.put`'s queueing)."""
         sink.put_packed([chunk for part in parts for chunk in self._chunks(*part)])
 
-    def _chunks(self, key: str, path: str, t: torch.Tensor, changed: torch.Tensor | None,
-                chunk_shape: tuple[int, ...], hash_into: torch.Tensor | None
-                ) -> list[tuple[str, str, str, torch.Tensor, int]]:
+    def _chunks(self, key: str, path: str, t: torch.Tensor, changed: torch.Tensor, chunk_shape: tuple[int, ...],
+                row_offset: int, hash_into: torch.Tensor | None) -> list[tuple[str, str, str, torch.Tensor, int]]:
         """The ``(key, path, name, data, pad)`` of chunks ``changed`` of ``t``'s flat elements,
         each chunk's hash put in ``hash_into`` if given."""
-        if changed is None:
-            raise StateError(f"{key!r}: a {self.name} part needs its changed chunks")
         (chunk_elems,) = chunk_shape
         numel = t.numel()
         flat = t.reshape(-1)
