@@ -70,17 +70,18 @@ class Chunks(Encoding):
         if t.is_cpu:
             self.encode_packed(sink, [(key, path, t, changed, chunk_shape, row_offset, hash_into)])
             return
-        for _, _, name, data, pad in self._chunks(key, path, t, changed, chunk_shape, row_offset, hash_into):
+        for _, _, name, data, pad in self._chunks(key, path, t, changed, chunk_shape, hash_into):
             sink.put(key, path, name, data, pad, t.dtype)
 
     def encode_packed(self, sink: ChunkSink, parts: Sequence[Packed]) -> None:
         """:meth:`encode` of ``parts`` (of CPU tensors) at once: their chunks into the pack in one
         call (a delta of the 1,200 small tensors of 300 layer norms and their Adam state spent ~30
         us a part in :meth:`~deltackpt.io.writer.StepWriter.put`'s queueing)."""
-        sink.put_packed([chunk for part in parts for chunk in self._chunks(*part)])
+        sink.put_packed([chunk for key, path, t, changed, chunk_shape, _, hash_into in parts
+                         for chunk in self._chunks(key, path, t, changed, chunk_shape, hash_into)])
 
     def _chunks(self, key: str, path: str, t: torch.Tensor, changed: torch.Tensor, chunk_shape: tuple[int, ...],
-                row_offset: int, hash_into: torch.Tensor | None) -> list[tuple[str, str, str, torch.Tensor, int]]:
+                hash_into: torch.Tensor | None) -> list[tuple[str, str, str, torch.Tensor, int]]:
         """The ``(key, path, name, data, pad)`` of chunks ``changed`` of ``t``'s flat elements,
         each chunk's hash put in ``hash_into`` if given."""
         (chunk_elems,) = chunk_shape
