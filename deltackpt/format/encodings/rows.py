@@ -8,7 +8,7 @@ fused uint8 row (codes, then scale and bias) by the rule its record's ``lossy`` 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, cast
@@ -116,17 +116,11 @@ class Rows(Encoding):
         """
         if changed is None:
             raise StateError(f"{key!r}: a {self.name} part needs its changed rows")
-        n = changed.numel()
         flat = t.reshape(t.shape[0], math.prod(t.shape[1:]))
         row_bytes = flat.shape[1] * t.element_size()
-        chunk_rows = chunk_shape[0]
-        # The ids as written, added in numpy: torch's add of 32,768 ids or more wakes its thread
-        # pool, 1-8 ms when another process holds the cores.
-        stored = changed if row_offset == 0 else torch.from_numpy(changed.numpy() + row_offset)
+        stored = _stored(changed, row_offset)
         bound = 0.0
-        for i in range(-(-n // chunk_rows)):
-            lo, hi = i * chunk_rows, min(n, (i + 1) * chunk_rows)
-            pad_rows = chunk_rows - (hi - lo)
+        for i, lo, hi, pad_rows in _spans(changed.numel(), chunk_shape[0]):
             ids = changed[lo:hi]
             sink.put(key, path, f"ids/{chunk_key(i, 1)}", stored[lo:hi], pad_rows * 8, torch.int64, kept=True)
             buf = sink.pool.acquire((hi - lo) * row_bytes)
@@ -152,13 +146,10 @@ class Rows(Encoding):
         12-layer model spent ~45 us a part in :meth:`encode`'s queueing)."""
         chunks: list[tuple[str, str, str, torch.Tensor, int]] = []
         for key, path, t, changed, chunk_shape, row_offset, hash_into in parts:
-            n, chunk_rows = changed.numel(), chunk_shape[0]
             src = kernels.small.flat_bytes(t).reshape(t.shape[0], -1)
             rows = torch.from_numpy(np.take(src, changed.numpy(), axis=0)).view(t.dtype)
-            stored = changed if row_offset == 0 else torch.from_numpy(changed.numpy() + row_offset)
-            for i in range(-(-n // chunk_rows)):
-                lo, hi = i * chunk_rows, min(n, (i + 1) * chunk_rows)
-                pad_rows = chunk_rows - (hi - lo)
+            stored = _stored(changed, row_offset)
+            for i, lo, hi, pad_rows in _spans(changed.numel(), chunk_shape[0]):
                 chunks.append((key, path, f"ids/{chunk_key(i, 1)}", stored[lo:hi], pad_rows * 8))
                 chunks.append((key, path, f"rows/{chunk_key(i, t.dim())}", rows[lo:hi],
                                pad_rows * rows.shape[1] * rows.element_size()))
@@ -280,6 +271,21 @@ class Rows(Encoding):
 
 
 ROWS = cast(Rows, REGISTRY[Rows.name])
+
+
+def _stored(changed: torch.Tensor, row_offset: int) -> torch.Tensor:
+    """The global ids of rows ``changed`` of a part starting at row ``row_offset``, as written:
+    added in numpy (torch's add of 32,768 ids or more wakes its thread pool, 1-8 ms when another
+    process holds the cores)."""
+    return changed if row_offset == 0 else torch.from_numpy(changed.numpy() + row_offset)
+
+
+def _spans(n: int, chunk_rows: int) -> Iterator[tuple[int, int, int, int]]:
+    """``(i, lo, hi, pad_rows)`` of each chunk ``i`` of ``n`` rows in chunks of ``chunk_rows``:
+    rows ``lo:hi``, padded with ``pad_rows`` rows to the full chunk."""
+    for i in range(-(-n // chunk_rows)):
+        lo, hi = i * chunk_rows, min(n, (i + 1) * chunk_rows)
+        yield i, lo, hi, chunk_rows - (hi - lo)
 
 
 @register
