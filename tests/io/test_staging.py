@@ -205,7 +205,7 @@ def test_small_requests_are_cut_from_one_shared_buffer_that_goes_back_with_the_l
 def test_a_base_of_tables_and_their_small_sums_stages_whole_in_a_budget_of_its_size(tmp_path, monkeypatch, shared):
     # 4 tables of 8 MiB (a chunk each), their row-wise sums of 1.5 MiB and a small dense layer (in
     # the pack): within 5 buffers of 8 MiB when the sums' chunks and the pack's share one; a buffer
-    # each (shared=False, as before they were shared) makes the staging wait for writes.
+    # each (shared=False, as before they were shared) takes more places than the budget's.
     if not shared:
         monkeypatch.setattr(staging, "SHARED_PART", 1 << 40)  # every request a buffer of its own
     state = {f"t{i}": torch.randn(2048, 1024) for i in range(4)}
@@ -221,7 +221,9 @@ def test_a_base_of_tables_and_their_small_sums_stages_whole_in_a_budget_of_its_s
     monkeypatch.setattr(StagingPool, "_take_place", take_place)
     with Checkpointer(tmp_path, chunk_bytes=8 * MiB, memory_budget=40 * MiB, threads=1) as ckpt:
         ckpt.save(1, state, blocking=False).result()
-        waited = any(full)
         loaded = ckpt.load(1)
     assert loaded.keys() == state.keys() and all(loaded[k].equal(v) for k, v in state.items())
-    assert full and waited != shared
+    if shared:  # a place a table, one the sums' chunks and the pack's share (again, if all were given
+        assert 5 <= len(full) < 9 and not any(full)  # back before the next): none waited for a write
+    else:  # a place each, 9 of the budget's 5, taken as writes give them back (a take may wait: a race)
+        assert len(full) == 9
