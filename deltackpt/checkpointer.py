@@ -35,7 +35,7 @@ from .collectives import Collective
 from .errors import SettingError, StepNotFoundError, StoreError
 from .format.layout import as_step
 from .io.staging import StagingPool
-from .io.threads import Lane, cores_beside_training, run_ahead, started_pool
+from .io.threads import Lane, cores_beside_training, started_pool
 from .ops.compaction import CompactInfo, compact
 from .ops.gc import GCReport, Retention, collect
 from .ops.lease import DEFAULT_TTL
@@ -49,6 +49,7 @@ from .save.saver import Saver
 from .save.turn import Turn
 from .save.types import SaveInfo
 from .storage import Storage, open_storage
+from .statetree import held_bytes
 from .store import Store
 from .stream import StepDelta, deltas
 from .tracking.changes import ChangeTracker
@@ -146,7 +147,7 @@ class Checkpointer:
         self._background = Background()
         self._turn = Turn()  # one save, restore or close at a time, whatever the thread
         warm_kernels()
-        run_ahead(partial(self._pool.warm, 2))  # the two buffers any save may take, touched
+        self._pool.warm_ahead(0)  # the two buffers any save may take, touched
 
     @property
     def rank(self) -> int:
@@ -179,8 +180,8 @@ class Checkpointer:
     def save(self, step: int, state: Mapping[str, Any], *, blocking: bool = True) -> SaveInfo | SaveHandle:
         """Saves ``state`` as ``step``: a base or a delta against the last step saved or restored.
 
-        Every rank calls it with the same step and its own state (its shards, replicas of the
-        rest); a save in flight, or another thread's save or restore, is waited for first.
+        Every rank calls it with the same step and its own state (its shards, replicas of the rest); a save in
+        flight, or another thread's save or restore, is waited for first.
 
         Args:
             step: the training step; must be after every committed step.
@@ -223,8 +224,7 @@ class Checkpointer:
     # -- load and restore ---------------------------------------------------------------------
 
     def _resolve(self, step: int | None) -> int:
-        step = self.latest_step() if step is None else step
-        if step is None:
+        if (step := self.latest_step() if step is None else step) is None:
             raise StepNotFoundError(-1, [])
         return step
 
@@ -261,13 +261,12 @@ class Checkpointer:
     def restore(self, state: Mapping[str, Any], step: int | None = None) -> int:
         """Restores ``step`` (default: the latest) into ``state`` in place, on every rank.
 
-        Each rank reads only the parts of the chain that intersect its tensors (its shards), so
-        a step saved on N ranks restores on any M. Tensors, Shards and DTensors are filled in
-        place; modules get their parameters and buffers filled in place; other objects with
-        ``load_state_dict`` (optimizers) are loaded from the saved state; plain values are
-        replaced in their dicts and lists. Afterwards the next save can be a delta against ``step``
-        (the restore takes the hashes of what it wrote, for it); after a failed restore it is a
-        base. On several ranks, a rank may hold only some tensors; together they hold all.
+        Each rank reads only the parts of the chain that intersect its tensors (its shards), so a step saved on
+        N ranks restores on any M. Tensors, Shards and DTensors are filled in place; modules get their
+        parameters and buffers filled in place; other objects with ``load_state_dict`` (optimizers) are loaded
+        from the saved state; plain values are replaced in their dicts and lists. Afterwards the next save can
+        be a delta against ``step`` (the restore takes the hashes of what it wrote, for it); after a failed
+        restore it is a base. On several ranks, a rank may hold only some tensors; together they hold all.
 
         Returns:
             The step restored.
@@ -299,9 +298,9 @@ class Checkpointer:
     # -- compaction and GC ----------------------------------------------------------------------
 
     def compact(self, upto: int | None = None) -> CompactInfo:
-        """Commits a base for step ``upto`` (default: the latest) made from its chain, so its
-        restore and those of later steps replay from there. Every rank calls it; see
-        :mod:`deltackpt.ops.compaction`. Needs no writer lease: it may run beside training.
+        """Commits a base for step ``upto`` (default: the latest) made from its chain, so its restore and those
+        of later steps replay from there. Every rank calls it; see :mod:`deltackpt.ops.compaction`. Needs no
+        writer lease: it may run beside training.
 
         Example:
             >>> import tempfile, torch
@@ -316,9 +315,8 @@ class Checkpointer:
 
     def gc(self, retention: Retention | None = None, *, grace_seconds: float = 3600.0,
            dry_run: bool = False) -> GCReport:
-        """Drops steps ``retention`` does not keep (default: keeps all) and deletes what no
-        remaining step refers to, once older than ``grace_seconds``; see :mod:`deltackpt.ops.gc`.
-        Runs on the coordinator; other ranks get its report."""
+        """Drops steps ``retention`` does not keep (default: keeps all) and deletes what no remaining step
+        refers to, once older than ``grace_seconds`` (:mod:`deltackpt.ops.gc`); run by the coordinator for all."""
         self.wait()
         return self._coll.one("gc", lambda: collect(self.store, retention or Retention(),
                                                     grace_seconds=grace_seconds, dry_run=dry_run))
@@ -329,9 +327,10 @@ class Checkpointer:
               optimizer_prefix: str = "optim", canary: Canary | None = None) -> TrackHandle:
         """Marks the rows that ``model``'s embedding lookups touch, so deltas need not hash them.
 
-        Hooks every ``nn.Embedding``, ``nn.EmbeddingBag`` and TorchRec ``EmbeddingBagCollection``;
-        a delta then writes each table's marked rows, and those of ``optimizer``'s state aligned
-        with the table, checked by a canary (see :mod:`deltackpt.tracking.rows`, :mod:`deltackpt.tracking.changes`).
+        Hooks every ``nn.Embedding``, ``nn.EmbeddingBag`` and TorchRec ``EmbeddingBagCollection``; a delta then
+        writes each table's marked rows, and those of ``optimizer``'s state aligned with the table, checked by a
+        canary (see :mod:`deltackpt.tracking.rows`, :mod:`deltackpt.tracking.changes`). Touches in the
+        background the staging buffers a base of both takes (within the budget), for a first base to come.
 
         Args:
             model: the model, as it sits in the saved state.
@@ -353,6 +352,7 @@ class Checkpointer:
             ...     ckpt.track(model, prefix="model").keys
             ('model/0.weight',)
         """
+        self._pool.warm_ahead(held_bytes(model, optimizer))
         return self._tracker.rows.track(model, prefix=prefix, optimizer=optimizer,
                                         optimizer_prefix=optimizer_prefix, canary=canary)
 

@@ -350,3 +350,20 @@ def merge(trees: list[dict[str, Any]]) -> dict[str, Any]:
         for k, child in b2:
             merged.setdefault(k, []).append(child)
     return {"dict": [[k, merge(children)] for k, children in merged.items()]}
+
+
+def held_bytes(model: Any, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """The bytes of ``model``'s parameters and buffers (0 if it is no ``nn.Module``) and of the
+    state ``optimizer`` holds yet (most make theirs at their first step): each plain, non-meta
+    tensor once.
+
+    Example:
+        >>> held_bytes(torch.nn.Linear(4, 2))
+        40
+    """
+    if not isinstance(model, torch.nn.Module):
+        return 0
+    states = optimizer.state.values() if optimizer is not None else ()
+    tensors = [*model.parameters(), *model.buffers(), *(v for s in states for v in s.values())]
+    unique = {id(t): t for t in tensors if type(t) in _PLAIN and not t.is_meta}
+    return sum(t.nbytes for t in unique.values())

@@ -23,10 +23,12 @@ import mmap
 import queue
 import threading
 from collections.abc import Iterator
+from functools import partial
 
 import torch
 
 from ..storage.direct import BLOCK
+from .threads import run_ahead
 
 SHARED_PART = 4
 """A request of at most ``1/SHARED_PART`` of the pool's buffer size is cut from a buffer shared with
@@ -175,6 +177,11 @@ class StagingPool:
                         buf = None
             if buf is not None:  # closed meanwhile: the next pool's
                 _RESERVE.give(self.nbytes, self._pin, [buf], self.buffers)
+
+    def warm_ahead(self, nbytes: int) -> None:
+        """:meth:`warm`, behind the caller (:func:`~deltackpt.io.threads.run_ahead`), of the buffers
+        a save of ``nbytes`` takes and the two any save may take besides."""
+        run_ahead(partial(self.warm, -(-nbytes // self.nbytes) + 2))
 
     @contextlib.contextmanager
     def staging(self) -> Iterator[None]:

@@ -26,7 +26,6 @@ from ..format.hash_files import digest
 from ..format.record_io import hashes_key, table_key
 from ..format.manifest import Manifest
 from ..io.staging import StagingPool
-from ..io.threads import run_ahead
 from ..io.writer import StepWriter
 from ..ops import lease
 from ..policy import BasePolicy, ChainState
@@ -169,8 +168,7 @@ class Saver:
                 # So that the next base stages into touched buffers alone, its writes held until
                 # then (see StepWriter's hold: and two buffers left): touched once, beside this
                 # one's writes.
-                chunks = -(-sum(t.nbytes for t in tensors.values()) // self._pool.nbytes)
-                run_ahead(partial(self._pool.warm, chunks + 2))
+                self._pool.warm_ahead(sum(t.nbytes for t in tensors.values()))
         assert self._assignment is not None  # _write_items set it
         table = partial(part_table, save, self._coll.rank, items, self._index, self._shapes, held,
                         sizes=self._sizes, aligned={s.key for s in mine if s.aligned}, reuse=self._reuse)

@@ -176,6 +176,28 @@ def test_a_later_checkpointer_stages_into_the_buffers_an_earlier_one_touched(tmp
     assert first_base(tmp_path / "b") == first
 
 
+def buffers_once_settled(pool: StagingPool, want: int) -> int:
+    """How many buffers ``pool`` holds once it holds ``want`` (or 10 s passed), and 0.2 s more."""
+    deadline = time.monotonic() + 10
+    while len(pool._buffers) < want and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # a warm that would make more has had time to
+    return len(pool._buffers)
+
+
+def test_track_warms_the_buffers_a_base_of_the_model_and_its_optimizer_takes(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Embedding(MiB // 8 - 1, 8))  # 4 MiB less a row
+    opt = torch.optim.Adagrad(model.parameters())  # as many bytes of sums, and a step, made now
+    with Checkpointer(tmp_path / "a", chunk_bytes=MiB, memory_budget=32 * MiB, threads=1) as ckpt:
+        assert buffers_once_settled(ckpt._pool, 2) == 2  # the two any save may take
+        ckpt.track(model, optimizer=opt)
+        assert buffers_once_settled(ckpt._pool, 10) == 10  # 8 MiB in 1 MiB buffers, and those two
+    deltackpt.release_staging_memory()
+    with Checkpointer(tmp_path / "b", chunk_bytes=MiB, memory_budget=6 * MiB, threads=1) as ckpt:
+        ckpt.track(model, optimizer=opt)
+        assert buffers_once_settled(ckpt._pool, 6) == 6  # never past the budget
+
+
 def test_small_requests_are_cut_from_one_shared_buffer_that_goes_back_with_the_last():
     pool = StagingPool(6, 64 << 10)  # places for every request: a regression fails, never waits
     cuts = [pool.acquire(n) for n in (5000, 0, 8192, 16 << 10)]  # 8 + 4 + 8 + 16 KiB of it

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deltackpt import Shard, StateError
-from deltackpt.statetree import build, flatten, key_part, merge, tensor_keys
+from deltackpt.statetree import build, flatten, held_bytes, key_part, merge, tensor_keys
 
 
 def test_flatten_and_build_round_trip_every_kind_of_node():
@@ -107,3 +107,19 @@ def test_a_module_an_optimizer_and_lists_flatten_to_the_kept_state_again():
     state["ids"] = [1000, 2000.0, -0.0]
     retyped = flatten(state, reuse=moved)
     assert retyped.tree is not moved.tree and type(retyped.tree["dict"][2][1]["list"][1]["value"]) is float
+
+
+def test_held_bytes_counts_each_tensor_of_a_model_and_its_optimizer_once():
+    emb = torch.nn.Embedding(100, 8)
+    model = torch.nn.Sequential(emb, torch.nn.BatchNorm1d(8))
+    model.register_buffer("plan", torch.empty(1000, device="meta"))  # holds no memory
+    tied = torch.nn.ModuleDict({"model": model, "again": emb})  # the same weight twice: counted once
+    params = (100 * 8 + 2 * 8) * 4
+    buffers = 2 * 8 * 4 + 8  # running mean and var, num_batches_tracked (int64)
+    assert held_bytes(model) == held_bytes(tied) == params + buffers
+    adam = torch.optim.Adam(model.parameters())
+    assert held_bytes(model, adam) == params + buffers  # Adam makes its state at its first step
+    model(torch.tensor([1, 2])).sum().backward()
+    adam.step()
+    assert held_bytes(model, adam) == 3 * params + buffers + 3 * 4  # two moments, a float step each
+    assert held_bytes("not a module") == 0
