@@ -12,17 +12,18 @@ the tracked model of ``bench_tracking.py``: its DLRM (a bottom and a top MLP, do
 Adam on the MLPs) with row-wise Adagrad on 8 tables of 250,000 x 32 (256 MB; ``--quick`` 4 of
 100,000 x 32), each training step a batch of bags of 20 distinct ids a table. Each round, in turn:
 
-  blocking    a base, then ``DELTAS_TIMED`` times a training step touching ``--delta`` of every
+  blocking    training steps while ``track()`` warms the first base's staging buffers in fresh
+              memory (the process's staging reserve is released first, see
+              ``deltackpt.release_staging_memory``), as a job trains before its first checkpoint;
+              a base, then ``DELTAS_TIMED`` times a training step touching ``--delta`` of every
               table's rows and a delta, then another training step and a later base of the same
               checkpointer (each delta a sample: a job's deltas mostly follow deltas, not a
-              base, and one delta a round made three samples of a noisy figure); the first base
-              stages into buffers no save has touched (the process's staging reserve is
-              released first, see ``deltackpt.release_staging_memory``), the later one into
-              those the first touched
+              base, and one delta a round made three samples of a noisy figure)
   background  the same with ``blocking=False``: the blocked time (the call), the time to commit
               (``SaveInfo.seconds``; waited for at once, so its writes run on every I/O thread,
-              see ``SaveHandle.result``), the host memory the first base added (peak resident
-              memory above the resident memory before the call, ``VmHWM`` after ``clear_refs``)
+              see ``SaveHandle.result``), the host memory added from before the checkpointer was
+              built to the first base's commit (peak resident memory, ``VmHWM`` after
+              ``clear_refs``, above the resident memory then; the training steps' own included)
   beside      a background base and ``DELTAS_BESIDE`` deltas again, with training steps run one
               after another while each finishes behind them: their mean time per save (the
               training's pace, slow steps and all), and the time to commit (its writes on the
@@ -50,14 +51,14 @@ Adam on the MLPs) with row-wise Adagrad on 8 tables of 250,000 x 32 (256 MB; ``-
               last one at once is faster, the first or a later one alike
   after       a background base, ``SETTLE_STEPS`` training steps and a delta of their changes
               (untimed), then ``DELTAS_TIMED`` times a training step and a background delta: a job's
-              deltas mostly come long after a base, once the pool's warm-up of the buffers the
-              next base stages into (``deltackpt.io.staging``) has ended, while the deltas of
-              ``background`` come in the first second after it, the warm-up beside them; then a
-              training step and the next base, as a job's bases after its first come (the later
-              base of ``background`` comes a second after the first, the warm-up still running)
-  warm-up     training steps while a staging pool of the budget's buffers is warmed into fresh
-              memory (``StagingPool.warm``, as after a process's first background base, to have
-              the next base's buffers touched): their mean time
+              deltas mostly come long after a base, while the deltas of ``background`` come in the
+              first second after it, its memory just given back; then a training step and the next
+              base, as a job's bases after its first come (the later base of ``background`` comes
+              a second after the first)
+  warm-up     the training steps of ``blocking`` and ``background`` while ``track()`` warms the
+              staging buffers: their mean time, and the seconds until the buffers are touched
+  right after a background base right after ``track()``, the reserve released: into fresh memory,
+              the warm-up just started (a job that saves before it trains)
   audits      a background base and ``AUDITS`` deltas with ``Canary(audit_every=AUDITS)``, so
               that each table is audited (hashed whole, on the blocked path) at one of them: the
               slowest delta's blocked time against their median (the tables take turns)
@@ -90,7 +91,6 @@ from torch import nn
 
 import deltackpt
 from deltackpt import Checkpointer, statetree
-from deltackpt.io.staging import StagingPool
 
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_tracking  # noqa: E402
@@ -104,6 +104,8 @@ DELTAS_TIMED = 3  # deltas a round between the blocking and background rounds' b
 DELTAS_BESIDE = 4  # background deltas a round with training beside them (and bare writers of their bytes)
 SETTLE_STEPS = 60  # training steps between a base and the deltas "long after" it (~3 s at the full size)
 FRESH_AFTER = 1.0  # seconds between building the checkpointer and the first save, past the kernels' warm-up
+WARM_LIMIT = 60.0  # the most seconds of training while track() warms the first base's buffers
+RIGHT_AFTER = "base background right after track(), into fresh memory: blocked s"
 SIZES = {  # --model: its default --tables, --rows and --dim, then those of --quick
     "dlrm-like": ((8, 524_288, 128), (4, 65_536, 64)),
     "tracking": ((8, 250_000, 32), (4, 100_000, 32)),
@@ -173,6 +175,15 @@ def memory_added(run: Callable[[], object]) -> tuple[object, float]:
         f.write("5")  # the peak (VmHWM) starts again from the resident memory now
     out = run()
     return out, (resident("VmHWM") - before) / MiB
+
+
+def until_warm(ckpt: Checkpointer, nbytes: int, work: Callable[[], None]) -> list[float]:
+    """Seconds of each ``work()`` run one after another until the staging pool of ``ckpt`` holds
+    touched buffers for a base of ``nbytes`` (within its budget), as ``track()`` has them warmed, or
+    for ``WARM_LIMIT`` seconds."""
+    pool, end = ckpt._pool, time.monotonic() + WARM_LIMIT
+    need = min(pool.buffers, -(-nbytes // pool.nbytes)) * pool.nbytes
+    return while_pending(lambda: pool.touched_bytes() >= need or time.monotonic() > end, work)
 
 
 def while_pending(done: Callable[[], bool], work: Callable[[], None]) -> list[float]:
@@ -338,27 +349,35 @@ def main() -> None:
         step = 100 * r
         def base_then_delta(name: str, labels: tuple[str, ...],
                             save: Callable[[Checkpointer, str, int], None]) -> None:
-            """A base, then after a training step each a delta (or a later base, for the label
-            "later base"), each saved by ``save(ckpt, label, step)`` into a fresh store of its own."""
+            """Training steps while ``track()`` warms the staging buffers of the first base, that
+            base, then after a training step each a delta (or a later base, for the label "later
+            base"), each saved by ``save(ckpt, label, step)`` into a fresh store of its own."""
             path = os.path.join(root, f"r{r}-{name}")
+            before = resident()
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # the peak (VmHWM) starts again from the resident memory now
             with Checkpointer(path, base_every=len(labels) - 1 if "later base" in labels else 1000,
                               memory_budget=budget, threads=args.save_threads) as ckpt:
                 ckpt.track(model, prefix="model", optimizer=opt)
+                warming = until_warm(ckpt, nbytes, train)
+                if name != "beside":  # the others stage into buffers touched before
+                    note("train step beside the staging pool's warm-up ms", 1000 * statistics.mean(warming))
+                    note("seconds from track() to the first base's buffers touched", sum(warming))
                 for i, what in enumerate(labels):
                     if i:
                         train()
                     save(ckpt, what, step + 1 + i)
+                    if not i and name == "background":
+                        note("base background: memory added since track() MiB", (resident("VmHWM") - before) / MiB)
             shutil.rmtree(path)
 
         def blocking(ckpt: Checkpointer, what: str, at: int) -> None:
             note(f"{what} blocking: blocked s", ckpt.save(at, state).blocked_seconds)
 
         def background(ckpt: Checkpointer, what: str, at: int) -> None:
-            info, added = memory_added(lambda: ckpt.save(at, state, blocking=False).result())
+            info = ckpt.save(at, state, blocking=False).result()
             note(f"{what} background: blocked s", info.blocked_seconds)
             note(f"{what} background: to commit s", info.seconds)
-            if what == "base":
-                note("base background: memory added MiB", added)
 
         def beside(ckpt: Checkpointer, what: str, at: int) -> None:
             handle = ckpt.save(at, state, blocking=False)
@@ -368,9 +387,9 @@ def main() -> None:
             note(f"{what} background, training beside: to commit s", info.seconds)
             written[what] = info.bytes_written
 
-        # The first base of each stages into buffers no save has touched yet, as a process's
-        # first base does (a closed checkpointer's are left to the next one); the later base
-        # of the same checkpointer into those of the first, as a job's bases after its first.
+        # The first base of each stages into buffers track() touched while training went on, in
+        # fresh memory, as a process's first base does (a closed checkpointer's are left to the
+        # next one); the later base of the same checkpointer into those, as a job's later bases.
         for name, save in (("blocking", blocking), ("background", background)):
             deltackpt.release_staging_memory()
             base_then_delta(name, ("base", *["1% delta"] * DELTAS_TIMED, "later base"), save)
@@ -441,13 +460,12 @@ def main() -> None:
             note(f"1% delta background, every table audited in {AUDITS} deltas: median blocked s",
                  statistics.median(blocked))
         shutil.rmtree(path)
-        deltackpt.release_staging_memory()  # the warm-up of fresh memory, training beside
-        pool = StagingPool(budget // chunk, chunk)
-        warming = threading.Thread(target=pool.warm, args=(budget // chunk,))
-        warming.start()
-        steps = while_pending(lambda: not warming.is_alive(), train)
-        pool.close()
-        note("train step beside the staging pool's warm-up ms", 1000 * statistics.mean(steps))
+        deltackpt.release_staging_memory()  # a first base with no training since track()
+        path = os.path.join(root, f"r{r}-fresh")
+        with Checkpointer(path, memory_budget=budget, threads=args.save_threads) as ckpt:
+            ckpt.track(model, prefix="model", optimizer=opt)
+            note(RIGHT_AFTER, ckpt.save(step + 1, state, blocking=False).result().blocked_seconds)
+        shutil.rmtree(path)
         first, *later = fresh_process(os.path.join(root, f"fresh{r}"))
         note("first background save of a fresh process: blocked s", first)
         note("later background saves of that process: blocked s", statistics.median(later))
@@ -478,6 +496,7 @@ def report(figures: dict[str, list[float]], budget: int) -> None:
         ("1% delta long after a base blocked / its blocking save (goal <= 0.25)",
          med["1% delta background, long after a base: blocked s"] / med["1% delta blocking: blocked s"]),
         ("base blocked, s (goal <= 0.35 at 2.2 GB)", med["base background: blocked s"]),
+        ("base right after track() blocked, s (goal <= 0.35 at 2.2 GB)", med[RIGHT_AFTER]),
         ("later base of the same checkpointer blocked, s (goal <= 0.35 at 2.2 GB)",
          med["later base background: blocked s"]),
         ("base long after the first blocked, s (goal <= 0.35 at 2.2 GB)",
@@ -498,8 +517,8 @@ def report(figures: dict[str, list[float]], budget: int) -> None:
          med["train step beside a bare writer of the base's bytes ms"] / med["train step alone ms"]),
         ("train step beside a bare writer of the delta's bytes / alone (the machine's floor)",
          med["train step beside a bare writer of the delta's bytes ms"] / med["train step alone ms"]),
-        ("memory a background base added - staging budget, MiB (goal <= 64)",
-         med["base background: memory added MiB"] - budget / MiB),
+        ("memory a background base added since track() - staging budget, MiB (goal <= 64)",
+         med["base background: memory added since track() MiB"] - budget / MiB),
         ("pure-Python loop beside a background base / alone",
          med["pure-Python loop beside a background base ms"] / med["pure-Python loop alone ms"]),
         ("pure-Python loop beside a background 1% delta / alone",
@@ -538,13 +557,13 @@ def peer_of(name: str) -> tuple[str, str | None]:
             return unit, f"{what.removeprefix('later ')} DCP async_save: blocked s"
         if name.startswith((f"{what} background: to commit", f"{what} background, pure-Python loop beside")):
             return unit, f"{what} blocking: blocked s"
-    if name == "base background: memory added MiB":
+    if name == "base background: memory added since track() MiB":
         return unit, "base DCP async_save: memory added MiB"
     if name.startswith("train step beside"):
         return unit, "train step alone ms"
     if name.startswith("pure-Python loop beside"):
         return unit, "pure-Python loop alone ms"
-    if name == "base background, long after the first: blocked s":
+    if name in ("base background, long after the first: blocked s", RIGHT_AFTER):
         return unit, "base DCP async_save: blocked s"
     if name == "1% delta background, long after a base: blocked s":
         return unit, "1% delta blocking: blocked s"
