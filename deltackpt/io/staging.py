@@ -185,12 +185,14 @@ class StagingPool:
 
     @contextlib.contextmanager
     def staging(self) -> Iterator[None]:
-        """While a save copies into the pool: :meth:`warm` makes no buffer (it goes on once the
-        last such save has ended). The save takes the touched buffers and makes the others as it
-        copies. A warm beside it faulted pages at the same time and held the process's memory map
-        lock: a base staged two training steps after the first (2.2 GB, the warm not done) spent
-        0.17-0.22 s in the allocations of its row hashes alone, 0.01 s with the warm waiting, and
-        blocked training 0.20-0.93 s (median 0.79 s of 6) against 0.34-0.87 s (median 0.55 s)."""
+        """While a save copies into the pool, or a restore reads into it: :meth:`warm` makes no
+        buffer (it goes on once the last of them has ended). The save takes the touched buffers
+        and makes the others as it copies. A warm beside it faulted pages at the same time and held
+        the process's memory map lock: a base staged two training steps after the first (2.2 GB,
+        the warm not done) spent 0.17-0.22 s in the allocations of its row hashes alone, 0.01 s
+        with the warm waiting, and blocked training 0.20-0.93 s (median 0.79 s of 6) against
+        0.34-0.87 s (median 0.55 s); a restore of it right after ``track()`` (a budget of 256 MiB)
+        took 0.65-0.78 s against 0.50-0.58 s."""
         with self._lock:
             self._copying += 1
         try:

@@ -64,7 +64,8 @@ def restore(state: Mapping[str, Any], step_of: Callable[[], int], *, store: Stor
         planned = plan if last is m else plan_restore(state, last, partial=coll.size > 1)
         live = _local_tensors(state)
         reader = ChainReader(store.storage, through, pool, executor, planned.covered)
-        hashes = fill(planned, last, reader, tracker.hashed_by_reads(live))
+        with pool.staging():  # the warm of track() waits: it faulted pages beside the reads
+            hashes = fill(planned, last, reader, tracker.hashed_by_reads(live))
         if planned.steps:  # flattened again: loading an optimizer's state replaces its tensors
             live = _local_tensors(state)
         # Hashed as saves hash them: their values' bytes (a conjugate or negative view's are not its own).
