@@ -28,7 +28,7 @@ from functools import partial
 import torch
 
 from ..storage.direct import BLOCK
-from .threads import run_ahead
+from .threads import exiting, run_ahead
 
 SHARED_PART = 4
 """A request of at most ``1/SHARED_PART`` of the pool's buffer size is cut from a buffer shared with
@@ -155,12 +155,13 @@ class StagingPool:
     def warm(self, buffers: int) -> None:
         """Makes up to ``buffers`` of the pool's buffers (never more than it may hold) exist with
         every page touched, so that the copies into them fault no page; from any thread. Once
-        the pool is closed it makes no more, and the one it was making goes to the reserve."""
+        the pool is closed it makes no more, and the one it was making goes to the reserve; nor
+        once the interpreter exits (:func:`~deltackpt.io.threads.exiting`), which would wait."""
         while True:
             with self._lock:
                 while self._copying and not self._closed:
                     self._resumed.wait()
-                if self._closed or len(self._buffers) + self._coming >= min(buffers, self.buffers):
+                if self._closed or exiting() or len(self._buffers) + self._coming >= min(buffers, self.buffers):
                     return
                 self._coming += 1
             buf: torch.Tensor | None = None

@@ -222,6 +222,7 @@ def _running_here() -> int:
 _ahead: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
 _ahead_thread: list[threading.Thread] = []
 _ahead_lock = threading.Lock()
+_exiting = threading.Event()  # set at the exit of the interpreter (see exiting)
 
 
 def run_ahead(job: Callable[[], object]) -> None:
@@ -256,8 +257,16 @@ def _run_ahead() -> None:
             log.warning("work ahead of a save failed", exc_info=True)
 
 
+def exiting() -> bool:
+    """Whether the interpreter is exiting: a job of :func:`run_ahead` that loops (the staging pool's
+    warm-up) stops, rather than hold the exit (a process that tracked a 1 GB table and exited at
+    once ended 3.2 s after its last line with the warm, 0.7 s stopping it; 0.5 s without one)."""
+    return _exiting.is_set()
+
+
 def _stop_ahead() -> None:
     """At exit: drops the jobs not started and waits for the one running."""
+    _exiting.set()
     while True:
         try:
             _ahead.get_nowait()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 import resource
+import subprocess
+import sys
 import threading
 import time
 
@@ -196,6 +198,29 @@ def test_track_warms_the_buffers_a_base_of_the_model_and_its_optimizer_takes(tmp
     with Checkpointer(tmp_path / "b", chunk_bytes=MiB, memory_budget=6 * MiB, threads=1) as ckpt:
         ckpt.track(model, optimizer=opt)
         assert buffers_once_settled(ckpt._pool, 6) == 6  # never past the budget
+
+
+EXIT_DURING_WARM = """
+import atexit, sys, time, torch
+from deltackpt import Checkpointer
+from deltackpt.io import staging
+touch = staging._touch
+staging._touch = lambda buf: (time.sleep(0.2), touch(buf))[1]  # a slow warm: 4 s for 20 buffers
+made = []
+atexit.register(lambda: print(len(made[0]._buffers)))  # runs after the warm's thread has stopped
+ckpt = Checkpointer(sys.argv[1], chunk_bytes=1 << 20, memory_budget=64 << 20, threads=1)
+made.append(ckpt._pool)
+ckpt.track(torch.nn.Embedding(18 << 16, 4))  # 18 MiB: 20 buffers with the two any save takes
+while len(ckpt._pool._buffers) < 3:  # the warm of track() has begun (jobs not begun are dropped)
+    time.sleep(0.01)
+"""
+
+
+def test_the_interpreter_exit_stops_a_warm_rather_than_wait_for_it(tmp_path):
+    out = subprocess.run([sys.executable, "-c", EXIT_DURING_WARM, str(tmp_path / "s")], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) < 10  # the exit came at once: the warm made a few of its 20
 
 
 def test_small_requests_are_cut_from_one_shared_buffer_that_goes_back_with_the_last():
