@@ -59,6 +59,12 @@ Adam on the MLPs) with row-wise Adagrad on 8 tables of 250,000 x 32 (256 MB; ``-
               staging buffers: their mean time, and the seconds until the buffers are touched
   right after a background base right after ``track()``, the reserve released: into fresh memory,
               the warm-up just started (a job that saves before it trains)
+  lost        once ``track()`` has warmed the buffers and a base is saved, ``LOST_ROUNDS`` times in
+              turn a background delta, a blocking one and none, each after a training step and
+              followed by ``STEPS_AFTER`` timed ones (then a blocking save of their changes,
+              untimed, so that each timed delta holds one step's rows): the training time a delta
+              costs, its call plus how much longer the steps after it took than those after none
+              of the same round (a background delta's writes slow the steps they run beside)
   audits      a background base and ``AUDITS`` deltas with ``Canary(audit_every=AUDITS)``, so
               that each table is audited (hashed whole, on the blocked path) at one of them: the
               slowest delta's blocked time against their median (the tables take turns)
@@ -102,6 +108,8 @@ MiB = 1 << 20
 AUDITS = 8  # the audits part's deltas, and its audit_every
 DELTAS_TIMED = 3  # deltas a round between the blocking and background rounds' base and later base
 DELTAS_BESIDE = 4  # background deltas a round with training beside them (and bare writers of their bytes)
+LOST_ROUNDS = 4  # rounds of a background delta, a blocking one and none, each timed with the steps after it
+STEPS_AFTER = 3  # training steps timed after each (the writes of a 1% delta end within two here)
 SETTLE_STEPS = 60  # training steps between a base and the deltas "long after" it (~3 s at the full size)
 FRESH_AFTER = 1.0  # seconds between building the checkpointer and the first save, past the kernels' warm-up
 WARM_LIMIT = 60.0  # the most seconds of training while track() warms the first base's buffers
@@ -460,6 +468,32 @@ def main() -> None:
             note(f"1% delta background, every table audited in {AUDITS} deltas: median blocked s",
                  statistics.median(blocked))
         shutil.rmtree(path)
+        path = os.path.join(root, f"r{r}-lost")
+        with Checkpointer(path, base_every=1000, memory_budget=budget, threads=args.save_threads) as ckpt:
+            ckpt.track(model, prefix="model", optimizer=opt)
+            until_warm(ckpt, nbytes, train)
+            ckpt.save(step + 1, state, blocking=False).result()
+            ckpt.save(step + 2, state)  # the steps of the warm-up: the deltas below hold one step's rows
+            lost = {"background": [], "blocking": []}
+            for at in range(step + 3, step + 3 + 6 * (LOST_ROUNDS + 1), 6):  # a round not counted first
+                after = {}
+                for i, mode in enumerate(("background", "blocking", "none")):
+                    train()
+                    t0 = time.perf_counter()
+                    handle = ckpt.save(at + 2 * i, state, blocking=False) if mode == "background" else None
+                    if mode == "blocking":
+                        ckpt.save(at + 2 * i, state)
+                    call = time.perf_counter() - t0
+                    after[mode] = call + sum(timed(train, STEPS_AFTER))
+                    if handle is not None:
+                        handle.result()
+                    ckpt.save(at + 2 * i + 1, state)  # the steps after it
+                if at > step + 3:
+                    for mode in lost:
+                        lost[mode].append(after[mode] - after["none"])
+            for mode, values in lost.items():
+                note(f"1% delta {mode}: training time lost ms", 1000 * statistics.median(values))
+        shutil.rmtree(path)
         deltackpt.release_staging_memory()  # a first base with no training since track()
         path = os.path.join(root, f"r{r}-fresh")
         with Checkpointer(path, memory_budget=budget, threads=args.save_threads) as ckpt:
@@ -511,6 +545,8 @@ def report(figures: dict[str, list[float]], budget: int) -> None:
          med["train step beside a background base ms"] / med["train step alone ms"]),
         ("train step beside a background delta / alone (goal <= 1.1)",
          med["train step beside a background delta ms"] / med["train step alone ms"]),
+        ("training time lost to a 1% delta, background / blocking (its call and the slower steps after it)",
+         med["1% delta background: training time lost ms"] / med["1% delta blocking: training time lost ms"]),
         ("train step beside the staging pool's warm-up of a base's buffers / alone (goal <= 1.1)",
          med["train step beside the staging pool's warm-up ms"] / med["train step alone ms"]),
         ("train step beside a bare writer of the base's bytes / alone (the machine's floor)",
@@ -557,6 +593,8 @@ def peer_of(name: str) -> tuple[str, str | None]:
             return unit, f"{what.removeprefix('later ')} DCP async_save: blocked s"
         if name.startswith((f"{what} background: to commit", f"{what} background, pure-Python loop beside")):
             return unit, f"{what} blocking: blocked s"
+    if name == "1% delta background: training time lost ms":
+        return unit, "1% delta blocking: training time lost ms"
     if name == "base background: memory added since track() MiB":
         return unit, "base DCP async_save: memory added MiB"
     if name.startswith("train step beside"):
